@@ -1,0 +1,318 @@
+"""Tests of damcha_numpy.py: every *_backward against central differences (float64), the whole
+model against finite differences and against an independent implementation of the spec
+(tests/spec_reference.py), causality, folding, block masks, initialisation and training."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import damcha_numpy as dn
+from spec_reference import reference_forward, reference_random_params
+
+BASE = dict(vocab_size=7, block_size=6, n_layer=2, n_head=2, n_embd=8, gen_width=5)
+VARIANTS = {
+    "damcha": {},
+    "unshared": dict(share=False),
+    "static": dict(adaptive=False),
+    "static_unshared_folded": dict(adaptive=False, share=False, gen_out="folded"),
+    "static_unshared_offdiag": dict(adaptive=False, share=False, blocks="offdiag"),
+    "folded": dict(gen_out="folded"),
+    "diag": dict(blocks="diag"),
+    "offdiag": dict(blocks="offdiag"),
+    "depth1": dict(gen_depth=1),
+    "depth3_unshared": dict(gen_depth=3, share=False),
+    "no_bias": dict(bias=False),
+    "mha": dict(attn="mha"),
+    "mha_no_bias": dict(attn="mha", bias=False),
+}
+
+
+def close(analytic, numeric):
+    # the issue's bar: within 1e-8 + 1e-5 |g|
+    return np.all(np.abs(analytic - numeric) <= 1e-8 + 1e-5 * np.abs(numeric))
+
+
+def check_op(forward, backward, inputs, seed=0):
+    """forward(**inputs) -> (out, cache); backward(dout, cache) -> {name: grad}. Checks each grad
+    against central differences of sum(out * dout), with a random dout."""
+    out, cache = forward(**inputs)
+    dout = np.random.default_rng(seed).normal(size=np.shape(out))
+    grads = backward(dout, cache)
+    assert set(grads) == set(inputs)
+    for name, x in inputs.items():
+        numeric = dn.numerical_gradient(lambda: np.sum(forward(**inputs)[0] * dout), x)
+        assert np.abs(numeric).max() > 1e-6, f"{name}: the check would be vacuous"
+        assert close(grads[name], numeric), f"{name}: max err {np.abs(grads[name] - numeric).max():.2e}"
+
+
+rng = np.random.default_rng(0)
+randn = lambda *shape: rng.normal(size=shape)
+
+
+def test_embedding_backward():
+    idx = np.array([[0, 2, 2], [1, 0, 3]])   # repeated rows must accumulate
+    check_op(lambda weight: dn.embedding_forward(weight, idx),
+             lambda d, c: {"weight": dn.embedding_backward(d, c)}, dict(weight=randn(5, 4)))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_backward(bias):
+    inputs = dict(x=randn(2, 3, 4), weight=randn(5, 4)) | (dict(bias=randn(5)) if bias else {})
+    names = list(inputs)
+    check_op(dn.linear_forward, lambda d, c: dict(zip(names, dn.linear_backward(d, c))), inputs)
+
+
+def test_layernorm_backward():
+    check_op(dn.layernorm_forward, lambda d, c: dict(zip(["x", "weight", "bias"], dn.layernorm_backward(d, c))),
+             dict(x=randn(2, 3, 6), weight=randn(6), bias=randn(6)))
+
+
+def test_gelu_backward():
+    check_op(dn.gelu_forward, lambda d, c: {"x": dn.gelu_backward(d, c)}, dict(x=3 * randn(4, 5)))
+
+
+def test_cross_entropy_backward():
+    targets = np.array([[1, 0, 3], [2, 2, 0]])
+    check_op(lambda logits: dn.cross_entropy_forward(logits, targets),
+             lambda d, c: {"logits": dn.cross_entropy_backward(d, c)}, dict(logits=randn(2, 3, 4)))
+
+
+def test_prefix_mean_backward():
+    check_op(dn.prefix_mean_forward, lambda d, c: {"z": dn.prefix_mean_backward(d, c)}, dict(z=randn(2, 5, 3)))
+
+
+def test_generator_backward():
+    def forward(c, w0, b0, w1, b1, w2):
+        return dn.generator_forward(c, [(w0, b0), (w1, b1), (w2, None)])
+
+    def backward(d, cache):
+        dc, ((dw0, db0), (dw1, db1), (dw2, _)) = dn.generator_backward(d, cache)
+        return dict(c=dc, w0=dw0, b0=db0, w1=dw1, b1=db1, w2=dw2)
+
+    check_op(forward, backward, dict(c=randn(2, 3, 4), w0=randn(5, 4), b0=randn(5), w1=randn(5, 5),
+                                     b1=randn(5), w2=randn(6, 5)))
+
+
+@pytest.mark.parametrize("blocks", ["all", "diag", "offdiag"])
+def test_block_mask_backward(blocks):
+    # a mask that leaves out every block would make the check vacuous: H = 3 keeps some of each
+    check_op(lambda M: dn.block_mask_forward(M, blocks), lambda d, c: {"M": dn.block_mask_backward(d, c)},
+             dict(M=randn(2, 3, 2, 3, 2)))
+
+
+def test_rowsum_backward():
+    check_op(dn.rowsum_forward, lambda d, c: {"M": dn.rowsum_backward(d, c)}, dict(M=randn(2, 3, 3, 2, 3, 2)))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_metric_query_backward(static):
+    m = randn(3, 2, 2) if static else randn(2, 4, 3, 2, 2)
+    check_op(dn.metric_query_forward, lambda d, c: dict(zip(["x", "m"], dn.metric_query_backward(d, c))),
+             dict(x=randn(2, 4, 3, 2), m=m))
+
+
+def test_scores_backward():
+    check_op(dn.scores_forward, lambda d, c: dict(zip(["q", "k"], dn.scores_backward(d, c))),
+             dict(q=randn(2, 2, 4, 3), k=randn(2, 2, 4, 3)))
+
+
+def test_causal_softmax_backward():
+    check_op(dn.causal_softmax_forward, lambda d, c: {"S": dn.causal_softmax_backward(d, c)}, dict(S=randn(2, 2, 4, 4)))
+
+
+def test_attn_values_backward():
+    check_op(dn.attn_values_forward, lambda d, c: dict(zip(["A", "v"], dn.attn_values_backward(d, c))),
+             dict(A=randn(2, 2, 4, 4), v=randn(2, 2, 4, 3)))
+
+
+def layer_params(config, prefix):
+    """The random float64 parameters of one layer's keys, as views into a shared dict."""
+    params = reference_random_params(config, seed=3)
+    return params, {k: v for k, v in params.items() if k.startswith(prefix)}
+
+
+@pytest.mark.parametrize("variant", ["damcha", "static", "folded", "diag", "mha"])
+def test_metric_and_attention_backward(variant):
+    """metric_forward and attention_forward together, as block 0 of an unshared model runs them."""
+    config = dn.GPTConfig(**BASE, **VARIANTS[variant], share=False)
+    params, own = layer_params(config, "h.0.attn.")
+
+    def forward(u, **_):
+        m, cache_metric = dn.metric_forward(params, "h.0.attn.", config, u) if config.attn == "damcha" else (None, None)
+        y, cache_attn = dn.attention_forward(params, "h.0.attn.", config, u, m)
+        return y, (cache_metric, cache_attn)
+
+    def backward(dy, cache):
+        cache_metric, cache_attn = cache
+        du, dm, grads = dn.attention_backward(dy, cache_attn)
+        if cache_metric is not None:
+            du_metric, metric_grads = dn.metric_backward(dm, cache_metric)
+            grads.update(metric_grads)
+            du = du + (0 if du_metric is None else du_metric)
+        return grads | {"u": du}
+
+    check_op(forward, backward, dict(u=randn(2, 5, 8)) | own)
+
+
+def test_mlp_backward():
+    config = dn.GPTConfig(**BASE)
+    params, own = layer_params(config, "h.0.mlp.")
+    check_op(lambda x, **_: dn.mlp_forward(params, "h.0.mlp.", x),
+             lambda d, c: (lambda dx, g: g | {"x": dx})(*dn.mlp_backward(d, c)),
+             dict(x=randn(2, 3, 8)) | own)
+
+
+@pytest.mark.parametrize("variant", ["damcha", "mha"])
+def test_block_backward(variant):
+    """A residual block, in both roles of a shared stack: owner of the generator, and user of
+    metrics made elsewhere (whose gradient it must hand back as dm)."""
+    config = dn.GPTConfig(**BASE, **VARIANTS[variant])
+    params, own = layer_params(config, "h.0.")
+    own |= {k: v for k, v in params.items() if k.startswith("gen.")}
+    check_op(lambda x, **_: dn.block_forward(params, config, 0, x),
+             lambda d, c: (lambda dx, dm, g: g | {"x": dx})(*dn.block_backward(d, c)),
+             dict(x=randn(2, 5, 8)) | own)
+    if variant == "damcha":
+        check_op(lambda x, m, **_: dn.block_forward(params, config, 1, x, m),
+                 lambda d, c: (lambda dx, dm, g: g | {"x": dx, "m": dm})(*dn.block_backward(d, c)),
+                 dict(x=randn(2, 5, 8), m=randn(2, 5, 2, 4, 4)) | {k: v for k, v in params.items() if k.startswith("h.1.")})
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request):
+    config = dn.GPTConfig(**BASE, **VARIANTS[request.param])
+    params = reference_random_params(config, seed=1)
+    r = np.random.default_rng(2)
+    idx, targets = r.integers(0, config.vocab_size, (2, 2, config.block_size))
+    return config, params, idx, targets
+
+
+def test_matches_independent_reference(variant):
+    config, params, idx, targets = variant
+    assert set(params) == set(dn.init_params(config)), "parameter names differ from the spec's"
+    logits, loss, _ = dn.forward(params, config, idx, targets)
+    ref_logits, ref_loss = reference_forward(params, config, idx, targets)
+    assert np.abs(logits - ref_logits).max() <= 1e-10 * np.abs(ref_logits).max()
+    assert abs(loss - ref_loss) <= 1e-10 * abs(ref_loss)
+
+
+def test_gradcheck_whole_model(variant):
+    config, params, idx, targets = variant
+    report = dn.gradcheck(config, params, idx, targets)
+    assert set(report) == set(params)
+    assert max(report.values()) <= 1.0, {k: v for k, v in report.items() if v > 1}
+
+
+@pytest.mark.parametrize("name", ["damcha", "unshared", "static", "mha"])
+def test_causality(name):
+    config = dn.GPTConfig(**BASE, **VARIANTS[name])
+    params = reference_random_params(config, seed=4)
+    idx = np.random.default_rng(5).integers(0, config.vocab_size, (2, config.block_size))
+    logits = dn.forward(params, config, idx)[0]
+    for t in range(config.block_size - 1):
+        changed = idx.copy()
+        changed[:, t + 1:] = (changed[:, t + 1:] + 1) % config.vocab_size
+        new_logits = dn.forward(params, config, changed)[0]
+        assert np.array_equal(new_logits[:, :t + 1], logits[:, :t + 1])
+        assert not np.allclose(new_logits[:, t + 1:], logits[:, t + 1:])
+
+
+def fold(weight, config):
+    """Sum the full output's rows (i a, j b) over the block column j -> rows (i a b)."""
+    H, dh = config.n_head, config.n_embd // config.n_head
+    return weight.reshape(H, dh, H, dh, *weight.shape[1:]).sum(2).reshape(H * dh * dh, *weight.shape[1:])
+
+
+@pytest.mark.parametrize("extra", [{}, dict(share=False, gen_depth=1), dict(adaptive=False)])
+def test_folded_equals_full(extra):
+    full = dn.GPTConfig(**BASE, **extra)
+    folded = dn.GPTConfig(**BASE, **extra, gen_out="folded")
+    params = reference_random_params(full, seed=6)
+    folded_params = dict(params)
+    for name, value in params.items():
+        if "gen." in name and f"gen.{full.gen_depth - 1}." in name:
+            folded_params[name] = fold(value, full)
+        elif name.endswith("metric"):
+            folded_params[name] = fold(value.reshape(-1), full).reshape(full.n_head, 4, 4)
+    assert {k: v.shape for k, v in folded_params.items()} == {k: v.shape for k, v in dn.init_params(folded).items()}
+    idx = np.random.default_rng(7).integers(0, full.vocab_size, (2, full.block_size))
+    np.testing.assert_allclose(dn.forward(folded_params, folded, idx)[0], dn.forward(params, full, idx)[0],
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_diag_plus_offdiag_is_all():
+    u = randn(2, 5, 8)
+    metrics = {}
+    for blocks in ["all", "diag", "offdiag"]:
+        config = dn.GPTConfig(**BASE, blocks=blocks)
+        metrics[blocks] = dn.metric_forward(reference_random_params(config, seed=8), "", config, u)[0]
+    np.testing.assert_allclose(metrics["diag"] + metrics["offdiag"], metrics["all"], rtol=1e-12, atol=1e-12)
+    assert not np.allclose(metrics["diag"], metrics["all"])
+
+
+def test_init_uniform_attention_and_live_generator():
+    """At init (default config sizes) attention is close to uniform, yet every generator
+    parameter receives a non-zero gradient."""
+    config = dn.GPTConfig(vocab_size=80)
+    params = dn.init_params(config, seed=0)
+    r = np.random.default_rng(0)
+    idx, targets = r.integers(0, config.vocab_size, (2, 4, config.block_size))
+    _, _, cache = dn.forward(params, config, idx, targets)
+    for block in cache["blocks"]:
+        A = block["attn"][2]["softmax"]                           # (B, H, T, T)
+        T = config.block_size
+        ratio = A * np.arange(1, T + 1)[:, None]                  # A[t, s] / (1 / (t + 1))
+        assert np.abs(ratio - 1)[..., np.tril(np.ones((T, T), dtype=bool))].max() < 0.25
+    grads = dn.backward(params, config, cache)
+    for name in params:
+        if name.startswith("gen."):
+            assert np.abs(grads[name]).max() > 0, name
+
+
+def test_bad_input():
+    config = dn.GPTConfig(**BASE)
+    params = dn.init_params(config)
+    with pytest.raises(ValueError, match="exceeds block_size"):
+        dn.forward(params, config, np.zeros((1, config.block_size + 1), dtype=int))
+    with pytest.raises(ValueError, match="divisible"):
+        dn.GPTConfig(n_embd=10, n_head=4)
+    with pytest.raises(ValueError, match="gen_out='full'"):
+        dn.GPTConfig(blocks="diag", gen_out="folded")
+    with pytest.raises(ValueError, match="targets"):
+        dn.backward(params, config, dn.forward(params, config, np.zeros((1, 3), dtype=int))[2])
+
+
+def test_overfits_one_batch():
+    config = dn.GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=16, gen_width=16)
+    params = dn.init_params(config, seed=0)
+    r = np.random.default_rng(0)
+    x, y = r.integers(0, 11, (2, 4, 16))
+    state, losses = {}, []
+    for _ in range(150):
+        _, loss, cache = dn.forward(params, config, x, y)
+        losses.append(loss)
+        dn.adamw_step(params, dn.backward(params, config, cache), state, lr=1e-2, weight_decay=0.0)
+    assert losses[0] > 2.0 and losses[-1] < 0.1 * losses[0]
+
+
+def test_main_trains_and_samples(tmp_path):
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_bytes(b"ROMEO: to be or not to be, that is the question.\n" * 40)
+    run = subprocess.run([sys.executable, "damcha_numpy.py", f"--data={corpus}", "--iters=60", "--eval_every=30", "--warmup=5", "--lr=1e-2",
+                          "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--gen_width=8"],
+                         capture_output=True, text=True, cwd=dn.__file__.rsplit("/", 1)[0], timeout=300)
+    assert run.returncode == 0, run.stderr
+    val = [float(line.split("val loss")[1].split("|")[0]) for line in run.stdout.splitlines() if "val loss" in line]
+    assert len(val) == 3 and val[-1] < 0.7 * val[0]
+    assert run.stdout.split("-" * 60 + "\n")[1].startswith("ROMEO:")
+
+
+def test_main_rejects_bad_flags():
+    for flag, message in [("--n_layre=2", "unknown argument"), ("--n_layer=two", "expects int"),
+                          ("--n_embd=10", "divisible"),
+                          ("--start=ROMEO\u00e9", "not in the corpus"), ("--data=/nonexistent.txt", "no such file")]:
+        run = subprocess.run([sys.executable, "damcha_numpy.py", flag], capture_output=True, text=True,
+                             cwd=dn.__file__.rsplit("/", 1)[0], timeout=60)
+        assert run.returncode != 0 and message in run.stderr and "Traceback" not in run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1
