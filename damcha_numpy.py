@@ -632,7 +632,7 @@ def parse_args(argv, defaults):
 def main(argv):
     settings = {f.name: f.default for f in fields(GPTConfig)}
     settings.update(n_layer=2, n_head=4, n_embd=64, block_size=64, gen_width=64,
-                    iters=1500, batch_size=16, lr=3e-3, warmup=100, eval_every=250, seed=0, start="ROMEO:",
+                    iters=1500, batch_size=16, lr=1e-2, warmup=100, eval_every=250, seed=0, start="ROMEO:",
                     data=str(Path(__file__).parent / "data" / "shakespeare" / "input.txt"))
     settings = parse_args(argv, settings)
     if not Path(settings["data"]).is_file():
