@@ -1,0 +1,417 @@
+"""
+damcha_torch.py: the DAMCHA GPT in PyTorch, in the shape of nanoGPT's model.py.
+
+DAMCHA (Data-Adaptive Mahalanobis Cross-Head Attention, arXiv 2610.13261) drops the query and
+key projections of multi-head attention. A small MLP, the metric generator f, reads the causal
+prefix mean c of every position and outputs a D x D cross-head metric M(c); head i compares
+its own slice x_i of the layer input through m_i = sum_j M_ij (RowSum), so the off-diagonal
+blocks M_ij (j != i) let the other heads' subspaces shape head i's similarity.
+
+The model is fixed by ../shared/SPEC.md; damcha_numpy.py is the NumPy reference with the same
+parameter names and layouts, so one set of weights loads into both (tests/test_torch.py checks
+logits, loss and every gradient against it in float64). What this file adds is speed:
+  - gen_out="full" never builds the (B, T, D, D) tensor M: RowSum is linear, so it is applied
+    to the last generator layer's weights inside forward (exact, gradients included);
+  - softmax(q k^T) v goes through F.scaled_dot_product_attention (flash attention on CUDA);
+  - with share=True the generator runs once per forward pass;
+  - generate() decodes incrementally from a cache of keys, values and context sums.
+
+Use it:
+    from damcha_torch import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=65, block_size=256))
+    logits, loss = model(idx, targets)            # idx, targets (B, T) int64
+Measure the peak memory of a train step, gen_out="full" against "folded" (each in a fresh
+process):
+    python damcha_torch.py
+"""
+import inspect
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 80
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    attn: str = "damcha"     # "damcha" | "mha" (the baseline)
+    adaptive: bool = True    # False: M is a learned constant, the ablation "without f(x)"
+    share: bool = True       # one generator for the whole stack (Section 3.4)
+    blocks: str = "all"      # which blocks RowSum adds: "all" | "diag" (M_ii) | "offdiag" (j != i)
+    gen_out: str = "full"    # "full": f outputs M (D*D numbers); "folded": f outputs m (H*dh*dh)
+    gen_depth: int = 2       # P, the number of linear layers in f
+    gen_width: int = 64      # w, the hidden width of f
+    bias: bool = True
+    dropout: float = 0.0     # embedding, attention and residual dropout while training (NumPy: 0 only)
+    kernel: str = "torch"    # attention implementation; only "torch" exists so far
+
+    def __post_init__(self):
+        checks = [
+            (self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
+            (self.attn in ("damcha", "mha"), f"attn must be 'damcha' or 'mha', not {self.attn!r}"),
+            (self.blocks in ("all", "diag", "offdiag"), f"blocks must be 'all', 'diag' or 'offdiag', not {self.blocks!r}"),
+            (self.gen_out in ("full", "folded"), f"gen_out must be 'full' or 'folded', not {self.gen_out!r}"),
+            (self.gen_out == "full" or self.blocks == "all", "blocks other than 'all' need gen_out='full'"),
+            (self.gen_depth >= 1, f"gen_depth must be >= 1, not {self.gen_depth}"),
+            (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), not {self.dropout}"),
+            (self.kernel == "torch", f"kernel must be 'torch', not {self.kernel!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# The cross-head metric (Eqs. 3-4)
+
+def rowsum(M, config):
+    """Eq. 4, RowSum m_i = sum_j M_ij, over the blocks that config.blocks keeps.
+
+    M holds D*D rows laid out as the spec's D x D metric, row-major: row (i*dh + a)*D + j*dh + b
+    is entry (a, b) of block M_ij. It is the generator's last weight (D*D, w), its bias (D*D,)
+    or a static metric (D, D). Returns (H, dh, dh, k), k = w for a weight and 1 otherwise."""
+    H = config.n_head
+    dh = config.n_embd // H
+    M = M.reshape(H, dh, H, dh, -1)                                  # (i, a, j, b, k)
+    if config.blocks == "all":
+        return M.sum(dim=2)
+    diag = torch.diagonal(M, dim1=0, dim2=2).permute(3, 0, 1, 2)     # (H, dh, dh, k): M_ii
+    return diag if config.blocks == "diag" else M.sum(dim=2) - diag
+
+
+def prefix_mean(z, state=None):
+    """Step 1 of the spec: c[b, t] = mean of z[b, s] over s <= t, so position t never sees a later
+    token. z (B, T, D) -> c (B, T, D). When decoding, `state` carries the sum and the count of
+    the earlier tokens, so that a new token costs O(1) here."""
+    total = torch.cumsum(z, dim=1)                                   # (B, T, D)
+    seen = 0
+    if state is not None:
+        if "zsum" in state:
+            total = total + state["zsum"].unsqueeze(1)
+            seen = state["n"]
+        state["zsum"], state["n"] = total[:, -1], seen + z.size(1)
+    count = torch.arange(seen + 1, seen + z.size(1) + 1, device=z.device, dtype=total.dtype)
+    return total / count.view(1, -1, 1)
+
+
+class MetricGenerator(nn.ModuleList):
+    """f of Eq. 3: P linear layers D -> w -> ... -> w -> out with GELU between them. The layers
+    are the list's items, so their keys are gen.{p}.weight and gen.{p}.bias, as in the spec."""
+
+    def __init__(self, config):
+        D, H = config.n_embd, config.n_head
+        out = D * D if config.gen_out == "full" else H * (D // H) ** 2
+        sizes = [D] + [config.gen_width] * (config.gen_depth - 1) + [out]
+        super().__init__(nn.Linear(n_in, n_out, bias=config.bias) for n_in, n_out in zip(sizes, sizes[1:]))
+        self.config = config
+
+    def forward(self, c):
+        # c (B, T, D) -> m (B, T, H, dh, dh)
+        *hidden, last = self
+        for layer in hidden:
+            c = F.gelu(layer(c), approximate="tanh")                 # (B, T, w)
+        weight, bias = last.weight, last.bias
+        H, D = self.config.n_head, self.config.n_embd
+        dh = D // H
+        if self.config.gen_out == "full":
+            # Eq. 4 moved onto the weights: RowSum is linear, so it commutes with the last affine
+            # layer. Summing its (D*D, w) weight over the block columns j gives an (H*dh*dh, w)
+            # layer with the same outputs: M (B, T, D, D) is never built, and autograd sends
+            # the exact gradient back to every entry of the full weight.
+            weight = rowsum(weight, self.config).reshape(H * dh * dh, -1)
+            bias = None if bias is None else rowsum(bias, self.config).reshape(H * dh * dh)
+        B, T, _ = c.shape
+        return F.linear(c, weight, bias).view(B, T, H, dh, dh)
+
+
+def add_metric(owner, config):
+    """Give `owner` (the GPT when shared, a layer's attention otherwise) its generator `gen`, or
+    with adaptive=False its static metric `metric`: the spec's keys, with no extra prefix."""
+    D, H = config.n_embd, config.n_head
+    if config.adaptive:
+        owner.gen = MetricGenerator(config)
+    else:
+        shape = (D, D) if config.gen_out == "full" else (H, D // H, D // H)
+        owner.metric = nn.Parameter(torch.empty(shape))
+
+
+def compute_metric(owner, z, config, state=None):
+    """The effective metrics m of `owner`'s generator fed with z (B, T, D), the attention input u
+    of the layer that owns it: (B, T, H, dh, dh), or (H, dh, dh) for a static metric."""
+    if config.adaptive:
+        return owner.gen(prefix_mean(z, state))                      # Eqs. 3-4 on the context c
+    H = config.n_head
+    dh = config.n_embd // H
+    if config.gen_out == "full":
+        return rowsum(owner.metric, config).reshape(H, dh, dh)
+    return owner.metric
+
+
+# ----------------------------------------------------------------------------------------------
+# The transformer
+
+class CausalSelfAttention(nn.Module):
+    """DAMCHA attention (Eqs. 5-8), or with attn="mha" the standard multi-head baseline."""
+
+    def __init__(self, config):
+        super().__init__()
+        D = config.n_embd
+        if config.attn == "mha":
+            self.c_attn = nn.Linear(D, 3 * D, bias=config.bias)      # rows [q; k; v]
+        else:
+            self.c_v = nn.Linear(D, D, bias=config.bias)             # Eq. 7: the value projection
+            if not config.share:
+                add_metric(self, config)
+        self.c_proj = nn.Linear(D, D, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.config = config
+
+    def forward(self, u, m=None, state=None):
+        """u (B, T, D), the normalised layer input. m: the stack's shared metrics, or None when
+        this layer owns its generator. state: this layer's decoding cache, or None."""
+        B, T, D = u.size()
+        H = self.config.n_head
+        dh = D // H
+        if self.config.attn == "mha":
+            q, k, v = (a.view(B, T, H, dh) for a in self.c_attn(u).split(D, dim=2))
+        else:
+            if m is None:
+                m = compute_metric(self, u, self.config, state)
+            x = u.view(B, T, H, dh)                                  # head slices x_i: no q/k projections
+            # Eq. 5, the query side: q_i = x_i m_i, one (dh x dh) metric per head and position
+            q = torch.einsum("bthd,bthde->bthe" if m.dim() == 5 else "bthd,hde->bthe", x, m)
+            k = x                                                    # keys are the slices x_i themselves
+            v = self.c_v(u).view(B, T, H, dh)                        # Eq. 7
+        q, k, v = (a.transpose(1, 2) for a in (q, k, v))             # (B, H, T, dh)
+        if state is not None:
+            if "k" in state:
+                k = torch.cat([state["k"], k], dim=2)                # (B, H, t + T, dh)
+                v = torch.cat([state["v"], v], dim=2)
+            state["k"], state["v"] = k, v
+        # Eqs. 5-7: softmax(q k^T / sqrt(dh)) v over s <= t. With a cache the T new queries are
+        # the last positions, so causal masking is only needed when there is no earlier token;
+        # GPT.forward feeds a single token once the cache holds any.
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.config.dropout if self.training else 0.0,
+                                           is_causal=q.size(2) == k.size(2))
+        y = y.transpose(1, 2).reshape(B, T, D)                       # Eq. 8: concat(O_0 .. O_{H-1})
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        D = config.n_embd
+        self.c_fc = nn.Linear(D, 4 * D, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * D, D, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, m=None, state=None):
+        x = x + self.attn(self.ln_1(x), m, state)                    # attention sees u = ln_1(x)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        if self.shares_metric:
+            add_metric(self, config)
+        # nanoGPT's init, as damcha_numpy.init_params: N(0, 0.02) weights, embeddings, generator
+        # and static metric; zero biases; residual projections scaled by 1/sqrt(2 n_layer)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+            elif name.endswith("metric"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02)
+
+    @property
+    def shares_metric(self):
+        return self.config.attn == "damcha" and self.config.share
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+
+    def get_num_params(self, non_embedding=True):
+        """Parameter count; without the position embeddings by default, as nanoGPT. The token
+        embedding stays in: it is also the (tied) lm_head."""
+        n_params = sum(p.numel() for p in self.parameters())
+        return n_params - self.wpe.weight.numel() if non_embedding else n_params
+
+    def forward(self, idx, targets=None, cache=None):
+        """idx (B, T) int64 -> (logits (B, T, V), mean cross-entropy or None).
+        cache: generate()'s decoding state (see new_cache), or None for an ordinary pass."""
+        B, T = idx.size()
+        start = 0 if cache is None else cache["pos"]
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
+        if start > 0 and T != 1:
+            raise ValueError("after the prompt, the cache takes one token at a time")
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))                 # (B, T, D)
+        m = None
+        if self.shares_metric:
+            # Section 3.4: one generator for the stack, run once here on layer 0's attention
+            # input u (its LayerNorm is recomputed inside the block: cheap next to the generator)
+            m = compute_metric(self, self.h[0].ln_1(x), self.config, None if cache is None else cache["shared"])
+        for l, block in enumerate(self.h):
+            x = block(x, m, None if cache is None else cache["layers"][l])
+        logits = F.linear(self.ln_f(x), self.wte.weight)              # lm_head tied to wte (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        if cache is not None:
+            cache["pos"] = start + T
+        return logits, loss
+
+    def new_cache(self):
+        """An empty decoding state: the next position, and per layer a dict that fills with the
+        keys 'k' and values 'v' (B, H, t, dh) and, for a layer owning a generator, the running
+        sum 'zsum' (B, D) and count 'n' of its context; 'shared' holds those of a shared one."""
+        return {"pos": 0, "layers": [{} for _ in self.h], "shared": {}}
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        # weight decay for every tensor with >= 2 dims (weights, embeddings, static metrics),
+        # none for biases and LayerNorm gains
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        print(f"num decayed parameter tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
+        print(f"num non-decayed parameter tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
+        use_fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        print(f"using fused AdamW: {use_fused}")
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({"fused": True} if use_fused else {}))
+
+    def flops_per_token(self):
+        """Training FLOPs per token at context block_size: 6 per multiply-add of the forward pass
+        (2 forward, 4 backward), counting the matmuls as nanoGPT does (PaLM, appendix B), plus
+        the metric generator and the metric application q_i = x_i m_i (Eq. 5).
+        gen_out="full" is counted as it runs, folded: the generator's last layer costs w*H*dh*dh
+        per token; folding the weights (D*D*w adds per pass, not per token) is left out."""
+        cfg = self.config
+        D, L, T, dh = cfg.n_embd, cfg.n_layer, cfg.block_size, cfg.n_embd // cfg.n_head
+        attention = 2 * T * D                                        # q k^T and A v over T positions
+        if cfg.attn == "mha":
+            per_layer = 4 * D * D + attention                        # c_attn, c_proj
+        else:
+            per_layer = 2 * D * D + D * dh + attention               # c_v, c_proj, Eq. 5 (H*dh*dh)
+        per_layer += 8 * D * D                                       # mlp
+        generator = 0
+        if cfg.attn == "damcha" and cfg.adaptive:
+            sizes = [D] + [cfg.gen_width] * (cfg.gen_depth - 1) + [D * dh]
+            generator = sum(a * b for a, b in zip(sizes, sizes[1:])) * (1 if cfg.share else L)
+        return 6 * (L * per_layer + generator + D * cfg.vocab_size)  # + tied lm_head
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt):
+        """Model FLOPs utilisation against the H100/H200 peak of 989e12 bf16 dense FLOP/s."""
+        flops_per_iter = self.flops_per_token() * self.config.block_size * fwdbwd_per_iter
+        return flops_per_iter / dt / 989e12
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Append max_new_tokens sampled tokens to idx (B, t). The prompt runs once in full and
+        fills a cache; each new token then costs O(t): its own generator context (from the
+        running sum), its query against the cached keys and values. Once the sequence outgrows
+        block_size the model conditions on the last block_size tokens, whose absolute positions
+        and prefix means all change with every step, so from then on it reruns the full pass."""
+        cache = None
+        for _ in range(max_new_tokens):
+            if idx.size(1) > self.config.block_size:
+                logits, _ = self(idx[:, -self.config.block_size:])   # the window moved: no cache
+            elif cache is None:
+                cache = self.new_cache()
+                logits, _ = self(idx, cache=cache)                   # the prompt, filling the cache
+            else:
+                logits, _ = self(idx[:, -1:], cache=cache)           # the newest token only
+            logits = logits[:, -1, :] / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
+        return idx
+
+
+# ----------------------------------------------------------------------------------------------
+# Peak memory of one train step
+
+def train_step_peak_memory(config, batch_size, device="cpu"):
+    """Build the model and run one AdamW train step (forward, backward, update) in float32 at
+    T = block_size. Returns (peak before building the model, peak after the step) in MiB: the
+    process's peak RSS on the CPU (Linux and macOS), the peak allocated memory on CUDA. Both
+    peaks only ever grow, so call it in a fresh process."""
+    def peak():
+        if device == "cuda":
+            return torch.cuda.max_memory_allocated() / 2**20
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+
+    torch.manual_seed(0)
+    before = peak()
+    model = GPT(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(config.vocab_size, (batch_size, config.block_size), device=device)
+    _, loss = model(idx, idx)
+    loss.backward()
+    optimizer.step()
+    return before, peak()
+
+
+def compare_peak_memory(batch_size=4, device="cpu", **fields):
+    """Peak memory of a float32 train step with gen_out="full" and "folded", each measured in a
+    fresh Python process. Returns {gen_out: (before, peak)} in MiB."""
+    result = {}
+    for gen_out in ("full", "folded"):
+        config = dict(fields, gen_out=gen_out)
+        code = (f"import torch, damcha_torch as d; torch.set_num_threads(1); "
+                f"print(*d.train_step_peak_memory(d.GPTConfig(**{config!r}), {batch_size}, {device!r}))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        result[gen_out] = tuple(float(s) for s in out.stdout.split())
+    return result
+
+
+if __name__ == "__main__":
+    fields = dict(vocab_size=65, block_size=512, n_layer=4, n_head=8, n_embd=256, gen_width=128)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"B=4 {fields} on {device}, float32")
+    peaks = compare_peak_memory(4, device, **fields)
+    for gen_out, (before, peak) in peaks.items():
+        print(f"gen_out={gen_out:7s} peak {peak:8.1f} MiB (model and step: {peak - before:8.1f} MiB)")
+    full, folded = peaks["full"][1], peaks["folded"][1]
+    print(f"full / folded peak: {full / folded:.3f}")

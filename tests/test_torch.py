@@ -1,0 +1,348 @@
+"""
+tests/test_torch.py: checks damcha_torch.GPT against the spec and against damcha_numpy.
+
+Run: python -m pytest -q tests/test_torch.py      (about 20 seconds on two CPU cores)
+
+In float64, for every variant of the spec (attn, adaptive, share, blocks, gen_out, gen_depth,
+bias): logits and loss equal the independent loop-by-loop reference (tests/spec_reference.py)
+to 1e-10, and logits, loss and every parameter's gradient equal damcha_numpy's to 1e-9, the
+weights moving between the two through the state_dict. Then the properties that only the
+PyTorch path has: the folded computation of gen_out="full", the generator running once per
+forward when shared, causality, incremental generate(), and bf16 autocast (on the CPU here;
+the CUDA-only tests skip without a GPU). Errors are relative to the largest entry:
+max |a - b| / max |b|.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import damcha_numpy
+from damcha_torch import GPT, GPTConfig, MetricGenerator, rowsum
+from spec_reference import reference_forward, reference_random_params
+
+TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, gen_width=6)
+
+
+def all_variants():
+    """Every combination the spec allows, at the TINY size: MHA with and without bias, and
+    DAMCHA over share x bias x (gen_out, blocks) x (static metric, or P = 1, 2, 3 layers)."""
+    variants = [dict(attn="mha", bias=bias) for bias in (True, False)]
+    for share in (True, False):
+        for bias in (True, False):
+            for gen_out, blocks in (("folded", "all"), ("full", "all"), ("full", "diag"), ("full", "offdiag")):
+                common = dict(attn="damcha", share=share, bias=bias, gen_out=gen_out, blocks=blocks)
+                variants.append(dict(common, adaptive=False))
+                variants += [dict(common, adaptive=True, gen_depth=P) for P in (1, 2, 3)]
+    return variants
+
+
+VARIANTS = all_variants()
+IDS = ["-".join(f"{k}={v}" for k, v in variant.items()) for variant in VARIANTS]
+# a few that between them exercise every code path, for the costlier tests
+KEY_VARIANTS = [dict(attn="mha"), dict(share=True), dict(share=False), dict(adaptive=False),
+                dict(adaptive=False, share=False, gen_out="folded"), dict(gen_out="folded", bias=False),
+                dict(share=False, blocks="offdiag", gen_depth=3)]
+KEY_IDS = ["-".join(f"{k}={v}" for k, v in variant.items()) for variant in KEY_VARIANTS]
+
+
+def rel_err(a, b):
+    a, b = (np.asarray(t.detach().cpu() if torch.is_tensor(t) else t, dtype=np.float64) for t in (a, b))
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def model_from(config, params):
+    """A float64 GPT holding `params` (a dict of arrays with the spec's keys), loaded strictly."""
+    model = GPT(config).double()
+    model.load_state_dict({k: torch.tensor(np.asarray(v), dtype=torch.float64) for k, v in params.items()},
+                          strict=True)
+    return model
+
+
+def tokens(config, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(config.vocab_size, shape, generator=g)
+
+
+# ----------------------------------------------------------------------------------------------
+# Against the spec and the NumPy reference, every variant
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_matches_spec_reference(variant):
+    config = GPTConfig(**TINY, **variant)
+    params = reference_random_params(config, seed=1)
+    idx, targets = tokens(config, (2, 6), 0), tokens(config, (2, 6), 1)
+    logits, loss = model_from(config, params)(idx, targets)
+    ref_logits, ref_loss = reference_forward(params, config, idx.numpy(), targets.numpy())
+    assert rel_err(logits, ref_logits) < 1e-10
+    assert abs(loss.item() - ref_loss) / ref_loss < 1e-10
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_matches_numpy_forward_and_gradients(variant):
+    # torch's own initialisation, moved N(0, 0.3) so that every gradient is far from zero, then
+    # handed to NumPy through the state_dict
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, **variant)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    params = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    np_config = damcha_numpy.GPTConfig(**TINY, **variant)
+    idx, targets = tokens(model.config, (2, 7), 2), tokens(model.config, (2, 7), 3)
+    np_logits, np_loss, cache = damcha_numpy.forward(params, np_config, idx.numpy(), targets.numpy())
+    np_grads = damcha_numpy.backward(params, np_config, cache)
+    logits, loss = model(idx, targets)
+    loss.backward()
+    assert rel_err(logits, np_logits) < 1e-9
+    assert abs(loss.item() - np_loss) / np_loss < 1e-9
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert grads.keys() == np_grads.keys()
+    errors = {name: rel_err(grads[name], np_grads[name]) for name in grads}
+    assert max(errors.values()) < 1e-9, errors
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_state_dict_has_numpy_layout(variant):
+    state = GPT(GPTConfig(**TINY, **variant)).state_dict()
+    params = damcha_numpy.init_params(damcha_numpy.GPTConfig(**TINY, **variant), seed=0)
+    assert {k: tuple(v.shape) for k, v in state.items()} == {k: v.shape for k, v in params.items()}
+
+
+def test_init_matches_numpy_statistics():
+    torch.manual_seed(0)
+    fields = dict(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=64, gen_width=64)
+    state = GPT(GPTConfig(**fields)).state_dict()
+    params = damcha_numpy.init_params(damcha_numpy.GPTConfig(**fields), seed=0)
+    for name, p in params.items():
+        t = state[name].numpy()
+        if p.std() == 0:
+            np.testing.assert_array_equal(t, p, err_msg=name)        # LayerNorm 1 and 0, biases 0
+        else:
+            assert abs(t.std() / p.std() - 1) < 0.1, name            # N(0, 0.02) or the c_proj scale
+            assert abs(t.mean()) < 4 * p.std() / math.sqrt(p.size), name
+
+
+# ----------------------------------------------------------------------------------------------
+# Properties of the PyTorch path
+
+def generator_calls(model):
+    calls = []
+    for module in model.modules():
+        if isinstance(module, MetricGenerator):
+            module.register_forward_hook(lambda mod, args, out: calls.append(mod))
+    return calls
+
+
+def test_shared_generator_runs_once_per_forward():
+    model = GPT(GPTConfig(**dict(TINY, n_layer=3), share=True))
+    calls = generator_calls(model)
+    model(tokens(model.config, (2, 5), 0))
+    assert calls == [model.gen]
+    assert not any(".attn.gen." in name for name in model.state_dict())
+
+
+def test_unshared_model_has_one_generator_per_layer():
+    model = GPT(GPTConfig(**dict(TINY, n_layer=3), share=False))
+    calls = generator_calls(model)
+    model(tokens(model.config, (2, 5), 0))
+    assert calls == [block.attn.gen for block in model.h]
+    assert not hasattr(model, "gen")
+
+
+@pytest.mark.parametrize("variant", KEY_VARIANTS, ids=KEY_IDS)
+def test_causal(variant):
+    config = GPTConfig(**TINY, **variant)
+    model = model_from(config, reference_random_params(config, seed=4))
+    idx = tokens(config, (2, 8), 5)
+    changed = idx.clone()
+    changed[:, 5] = (changed[:, 5] + 1) % config.vocab_size
+    a, b = model(idx)[0], model(changed)[0]
+    assert torch.equal(a[:, :5], b[:, :5])                           # the past never sees the future
+    assert not torch.allclose(a[:, 5:], b[:, 5:])
+
+
+@pytest.mark.parametrize("blocks", ["all", "diag", "offdiag"])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_folded_equals_full(blocks, adaptive):
+    """A gen_out="full" model and the "folded" model whose last generator layer (or static
+    metric) is the full one summed over block columns (Eq. 4) compute the same function."""
+    full_config = GPTConfig(**TINY, gen_out="full", blocks=blocks, adaptive=adaptive, share=False)
+    params = reference_random_params(full_config, seed=6)
+    H, dh = full_config.n_head, full_config.n_embd // full_config.n_head
+    folded = {}
+    for name, value in params.items():
+        t = torch.tensor(value)
+        if name.endswith(f"gen.{full_config.gen_depth - 1}.weight"):
+            t = rowsum(t, full_config).reshape(H * dh * dh, -1)
+        elif name.endswith(f"gen.{full_config.gen_depth - 1}.bias"):
+            t = rowsum(t, full_config).reshape(H * dh * dh)
+        elif name.endswith("metric"):
+            t = rowsum(t, full_config).reshape(H, dh, dh)
+        folded[name] = t.numpy()
+    folded_config = GPTConfig(**TINY, gen_out="folded", adaptive=adaptive, share=False)
+    idx = tokens(full_config, (2, 8), 7)
+    a = model_from(full_config, params)(idx)[0]
+    b = model_from(folded_config, folded)(idx)[0]
+    assert rel_err(a, b) < 1e-12
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the element count of the largest tensor any operation creates."""
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_full_output_never_builds_M():
+    # B*T*D*D = 16384 entries would be M; the largest legitimate tensor is the generator's
+    # last weight, D*D*w = 2048 entries, and the per-position metrics m are B*T*H*dh*dh = 4096
+    config = GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=4, n_embd=16, gen_width=8, gen_out="full")
+    model = GPT(config)
+    idx = tokens(config, (4, 16), 8)
+    with LargestTensor() as mode:
+        _, loss = model(idx, idx)
+        loss.backward()
+    assert mode.largest < 4 * 16 * 16 * 16 / 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Incremental generation
+
+@pytest.mark.parametrize("variant", KEY_VARIANTS, ids=KEY_IDS)
+def test_generate_logits_equal_full_forward(variant):
+    """Every step's logits equal a full forward over the last block_size tokens, before and
+    after the sequence outgrows block_size; the steps before that use the cache."""
+    config = GPTConfig(**TINY, **variant)
+    model = model_from(config, reference_random_params(config, seed=9)).eval()
+    steps = []
+    hook = model.register_forward_hook(lambda mod, args, out: steps.append(out[0][:, -1]))
+    torch.manual_seed(0)
+    prompt = tokens(config, (3, 3), 10)
+    out = model.generate(prompt, max_new_tokens=9)
+    hook.remove()
+    assert out.shape == (3, 12) and torch.equal(out[:, :3], prompt)
+    assert len(steps) == 9
+    for s, logits in enumerate(steps):
+        window = out[:, :3 + s][:, -config.block_size:]
+        assert rel_err(logits, model(window)[0][:, -1]) < 1e-10, s
+
+
+def test_generate_decodes_one_token_at_a_time():
+    config = GPTConfig(**TINY)
+    model = GPT(config).eval()
+    lengths = []
+    model.register_forward_pre_hook(lambda mod, args: lengths.append(args[0].size(1)))
+    model.generate(tokens(config, (1, 3), 11), max_new_tokens=8, top_k=3)
+    # the prompt, then single tokens against the cache up to block_size = 8, then full windows
+    assert lengths == [3, 1, 1, 1, 1, 1, 8, 8]
+
+
+def test_generate_from_a_prompt_longer_than_block_size():
+    config = GPTConfig(**TINY)
+    model = model_from(config, reference_random_params(config, seed=12)).eval()
+    out = model.generate(tokens(config, (2, 11), 13), max_new_tokens=2)
+    assert out.shape == (2, 13)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration, training helpers
+
+@pytest.mark.parametrize("bad", [dict(n_head=3), dict(attn="linear"), dict(blocks="upper"),
+                                 dict(gen_out="half"), dict(gen_depth=0), dict(gen_out="folded", blocks="diag"),
+                                 dict(kernel="triton"), dict(dropout=1.0)])
+def test_config_rejects(bad):
+    with pytest.raises(ValueError):
+        GPTConfig(**dict(TINY, **bad))
+
+
+def test_sequence_longer_than_block_size_raises():
+    config = GPTConfig(**TINY)
+    with pytest.raises(ValueError, match="block_size"):
+        GPT(config)(tokens(config, (1, 9), 0))
+
+
+def test_dropout_is_off_in_eval_mode():
+    config = GPTConfig(**TINY, dropout=0.5)
+    model = GPT(config)
+    idx = tokens(config, (2, 8), 14)
+    reference = GPT(GPTConfig(**TINY))
+    reference.load_state_dict(model.state_dict())
+    assert torch.equal(model.eval()(idx)[0], reference(idx)[0])
+    assert not torch.equal(model.train()(idx)[0], reference(idx)[0])
+
+
+def test_configure_optimizers_decays_matrices_only(capsys):
+    model = GPT(GPTConfig(**TINY, adaptive=False, share=False))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert any(p is model.h[0].attn.metric for p in decay["params"])
+
+
+def test_flops_count_generator_and_metric():
+    shared = GPT(GPTConfig(**TINY, share=True))
+    unshared = GPT(GPTConfig(**TINY, share=False))
+    static = GPT(GPTConfig(**TINY, adaptive=False))
+    folded = GPT(GPTConfig(**TINY, gen_out="folded"))
+    D, w, L, dh = 8, 6, 2, 4
+    generator = 6 * (D * w + w * D * dh)                             # per token, folded last layer
+    assert shared.flops_per_token() - static.flops_per_token() == generator
+    assert unshared.flops_per_token() - static.flops_per_token() == L * generator
+    assert folded.flops_per_token() == shared.flops_per_token()
+    mfu = shared.estimate_mfu(fwdbwd_per_iter=4, dt=1e-3)
+    assert mfu == pytest.approx(shared.flops_per_token() * 8 * 4 / 1e-3 / 989e12)
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16 autocast: logits within 3e-2 of float32 relative to their largest entry, loss within
+# 5e-3 relative (measured at the sizes below: about 1e-2 and 2e-4 at worst)
+
+def check_bf16(device, variant):
+    config = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64, gen_width=64, **variant)
+    model = GPT(config).to(device)
+    idx, targets = tokens(config, (4, 64), 15).to(device), tokens(config, (4, 64), 16).to(device)
+    logits, loss = model(idx, targets)
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        logits16, loss16 = model(idx, targets)
+    assert logits16.dtype == torch.bfloat16
+    assert rel_err(logits16.float(), logits) < 3e-2
+    assert abs(loss16.item() - loss.item()) / loss.item() < 5e-3
+
+
+@pytest.mark.parametrize("variant", KEY_VARIANTS, ids=KEY_IDS)
+def test_bf16_autocast_cpu(variant):
+    check_bf16("cpu", variant)
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", KEY_VARIANTS, ids=KEY_IDS)
+def test_bf16_autocast_cuda(variant):
+    check_bf16("cuda", variant)
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", [dict(attn="mha"), dict(share=True), dict(share=False)],
+                         ids=["mha", "shared", "unshared"])
+def test_flash_attention_backend_used(variant):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    config = GPTConfig(vocab_size=65, block_size=128, n_layer=2, n_head=4, n_embd=128, **variant)
+    model = GPT(config).cuda()
+    idx = tokens(config, (2, 128), 17).cuda()
+    # only the flash kernel is allowed: any attention call it cannot serve raises
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss = model(idx, idx)
+        loss.backward()
+        model.generate(idx[:, :4], max_new_tokens=4)
