@@ -1,0 +1,241 @@
+"""
+tests/test_triton.py: checks the Triton DAMCHA attention kernels (damcha_triton.py).
+
+Run: python -m pytest -q tests/test_triton.py   (about 25 seconds on two CPU cores, 35 once the
+GPT takes kernel="triton"; skipped when triton is not installed)
+
+Without a GPU the kernels run on Triton's interpreter, in float32 on the CPU, which this module
+selects (TRITON_INTERPRET=1) before triton is imported; that setting then holds for the whole
+pytest process. There, at small sizes with T not a multiple of the block: the output and the
+gradients for x, m and v against a float64 autograd reference (einsum + SDPA) and against the
+chain of damcha_numpy's attention pieces, for per-token and static metrics and head sizes that
+need padding; then the edge cases of T, input layouts, argument checks, and, once damcha_torch
+offers GPTConfig(kernel="triton"), the whole GPT against kernel="torch". With a GPU the
+same tests run on it, plus: bfloat16 and float16 against float64 (no worse than torch's own
+16-bit path), T = 4096 in float32, and the forward's peak memory. Errors are relative to the
+largest entry: max |a - b| / max |b|.
+"""
+import os
+
+import pytest
+import torch
+
+# the interpreter must be chosen before damcha_triton defines its kernels, hence the late imports
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import torch.nn.functional as F
+
+import damcha_numpy
+import damcha_triton
+from damcha_triton import damcha_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not damcha_triton.INTERPRETED:
+    pytest.skip("damcha_triton was imported without TRITON_INTERPRET=1 and there is no GPU",
+                allow_module_level=True)
+requires_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+FWD_TOL, GRAD_TOL = 1e-4, 1e-3                       # float32 against float64
+
+
+def rel_err(a, b):
+    a, b = (t.detach().double().cpu() for t in (a, b))
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def make_inputs(B, H, T, dh, static, seed=0, dtype=torch.float32, device=DEVICE):
+    """x, m, v as the model produces them: x and v are (B, T, H, dh) tensors seen as (B, H, T, dh);
+    m (B, T, H, dh, dh) or (H, dh, dh), scaled so that the scores are O(1). Plus an output
+    gradient dO (B, H, T, dh)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, H, dh, generator=g).transpose(1, 2)
+    m = torch.randn(*((H,) if static else (B, T, H)), dh, dh, generator=g) / dh ** 0.5
+    v = torch.randn(B, T, H, dh, generator=g).transpose(1, 2)
+    do = torch.randn(B, H, T, dh, generator=g)
+    return [t.to(device=device, dtype=dtype) for t in (x, m, v, do)]
+
+
+def torch_reference(x, m, v):
+    """The torch path of damcha_torch: q = x m (Eq. 5), then causal SDPA with keys x (Eqs. 5-7)."""
+    q = torch.einsum("bhtd,hde->bhte" if m.dim() == 3 else "bhtd,bthde->bhte", x, m)
+    return F.scaled_dot_product_attention(q, x, v, is_causal=True)
+
+
+def output_and_grads(op, x, m, v, do):
+    """op(x, m, v) and the gradients of sum(op * dO) for x, m and v."""
+    x, m, v = (t.detach().requires_grad_() for t in (x, m, v))
+    o = op(x, m, v)
+    (o * do).sum().backward()
+    return o, x.grad, m.grad, v.grad
+
+
+def check_against_float64(x, m, v, do, block=16):
+    got = output_and_grads(lambda *a: damcha_attention(*a, block=block), x, m, v, do)
+    want = output_and_grads(torch_reference, *(t.double() for t in (x, m, v, do)))
+    for name, a, b, tol in zip(("o", "dx", "dm", "dv"), got, want, (FWD_TOL, GRAD_TOL, GRAD_TOL, GRAD_TOL)):
+        assert a.dtype == x.dtype and a.shape == b.shape, name
+        assert rel_err(a, b) < tol, f"{name}: {rel_err(a, b):.2e}"
+
+
+# ----------------------------------------------------------------------------------------------
+# float32, small sizes (the interpreter on a CPU)
+
+@pytest.mark.parametrize("static", [False, True], ids=["per_token", "static"])
+@pytest.mark.parametrize("dh", [8, 12, 16])          # 8, 12: padded to the kernels' DH = 16
+def test_against_torch_reference(static, dh):
+    # T = 37 with blocks of 16: two full blocks and a partial one
+    check_against_float64(*make_inputs(2, 2, 37, dh, static))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["per_token", "static"])
+def test_against_damcha_numpy(static):
+    """The kernels against damcha_numpy's attention pieces, chained as its attention_forward and
+    attention_backward chain them (its layout: x (B, T, H, dh))."""
+    B, H, T, dh = 2, 2, 21, 8
+    x, m, v, do = make_inputs(B, H, T, dh, static, seed=1)
+    o, dx, dm, dv = output_and_grads(lambda *a: damcha_attention(*a, block=16), x, m, v, do)
+
+    dn = damcha_numpy
+    x_np, v_np, do_np = (t.transpose(1, 2).double().cpu().numpy() for t in (x, v, do))   # (B, T, H, dh)
+    heads = lambda a: a.transpose(0, 2, 1, 3)                                           # <-> (B, H, T, dh)
+    q, cache_q = dn.metric_query_forward(x_np, m.double().cpu().numpy())                # Eq. 5, query side
+    S, cache_s = dn.scores_forward(heads(q), heads(x_np))                               # Eq. 5
+    A, cache_a = dn.causal_softmax_forward(S)                                           # Eq. 6
+    O, cache_v = dn.attn_values_forward(A, heads(v_np))                                 # Eq. 7
+    dA, dv_np = dn.attn_values_backward(heads(do_np), cache_v)
+    dq, dk = dn.scores_backward(dn.causal_softmax_backward(dA, cache_a), cache_s)
+    dx_query, dm_np = dn.metric_query_backward(heads(dq), cache_q)
+    dx_np = dx_query + heads(dk)                   # x is the query's input and the key
+
+    assert rel_err(o, torch.from_numpy(O)) < FWD_TOL
+    assert rel_err(dx, torch.from_numpy(heads(dx_np))) < GRAD_TOL
+    assert rel_err(dm, torch.from_numpy(dm_np)) < GRAD_TOL
+    assert rel_err(dv, torch.from_numpy(dv_np)) < GRAD_TOL
+
+
+@pytest.mark.parametrize("T", [16, 17, 33])
+def test_sequence_lengths(T):
+    # exactly one block, one past a block, one past two
+    check_against_float64(*make_inputs(1, 2, T, 8, static=False, seed=T))
+
+
+def test_single_position():
+    # T = 1: the softmax is over one key, so o = v, and x and m get no gradient (up to rounding)
+    x, m, v, do = make_inputs(2, 2, 1, 8, static=False)
+    o, dx, dm, dv = output_and_grads(damcha_attention, x, m, v, do)
+    assert torch.equal(o, v) and torch.equal(dv, do)
+    assert dx.abs().max() < 1e-6 and dm.abs().max() < 1e-6
+
+
+def test_contiguous_heads_and_strided_output_gradient():
+    """Inputs laid out as (B, H, T, dh) rather than the model's (B, T, H, dh), a metric that is a
+    view, and an output gradient with a zero stride: the kernels follow any strides."""
+    x, m, v, _ = make_inputs(1, 2, 20, 8, static=False, seed=3)
+    x, v = x.contiguous(), v.contiguous()
+    m = m.transpose(-1, -2).contiguous().transpose(-1, -2)             # same values, other strides
+    do = torch.randn(1, 2, 20, 1, device=DEVICE).expand(-1, -1, -1, 8)  # stride 0 along dh
+    check_against_float64(x, m, v, do)
+
+
+def test_masked_positions_get_no_gradient():
+    # causality: the output at t depends on no later position, through x, m or v
+    x, m, v, _ = make_inputs(1, 2, 20, 8, static=False, seed=4)
+    do = torch.zeros(1, 2, 20, 8, device=DEVICE)
+    do[:, :, :9] = 1.0                                                  # only outputs 0..8 are used
+    _, dx, dm, dv = output_and_grads(lambda *a: damcha_attention(*a, block=16), x, m, v, do)
+    assert dx[:, :, 9:].abs().max() == 0 and dv[:, :, 9:].abs().max() == 0 and dm[:, 9:].abs().max() == 0
+    assert dx[:, :, :9].abs().min() > 0
+
+
+def test_argument_checks():
+    x, m, v, _ = make_inputs(1, 2, 8, 8, static=False)
+    with pytest.raises(ValueError, match="m must be"):
+        damcha_attention(x, m[:, :, :, :4], v)
+    with pytest.raises(ValueError, match="x and v"):
+        damcha_attention(x, m, v[..., :4])
+    with pytest.raises(ValueError, match="one dtype"):
+        damcha_attention(x, m.double(), v)
+    with pytest.raises(ValueError, match="power of two"):
+        damcha_attention(x, m, v, block=24)
+    big = torch.zeros(1, 1, 4, 256, device=DEVICE)
+    with pytest.raises(ValueError, match="limit"):
+        damcha_attention(big, torch.zeros(1, 256, 256, device=DEVICE), big)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="float32 only"):
+            damcha_attention(x.bfloat16(), m.bfloat16(), v.bfloat16())
+
+
+def gpt_config_with_triton(**fields):
+    """A GPTConfig with kernel="triton", or a skip while damcha_torch does not offer it."""
+    from damcha_torch import GPTConfig
+    try:
+        return GPTConfig(kernel="triton", **fields)
+    except (TypeError, ValueError) as error:
+        pytest.skip(f"damcha_torch.GPTConfig does not take kernel='triton' yet: {error}")
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["per_token", "static"])
+def test_gpt_kernel_triton_matches_torch(adaptive):
+    """The whole GPT, kernel="triton" against kernel="torch" with the same weights, float32:
+    logits, loss and every parameter's gradient."""
+    from dataclasses import replace
+
+    from damcha_torch import GPT
+    config = gpt_config_with_triton(vocab_size=11, block_size=20, n_layer=2, n_head=2, n_embd=32,
+                                    gen_width=16, adaptive=adaptive)
+    torch.manual_seed(0)
+    models = {kernel: GPT(replace(config, kernel=kernel)).to(DEVICE) for kernel in ("torch", "triton")}
+    models["triton"].load_state_dict(models["torch"].state_dict())
+    idx = torch.randint(config.vocab_size, (2, 20), device=DEVICE)
+    results = {}
+    for kernel, model in models.items():
+        logits, loss = model(idx, idx)
+        loss.backward()
+        results[kernel] = logits, loss, {n: p.grad for n, p in model.named_parameters()}
+    (logits_t, loss_t, grads_t), (logits, loss, grads) = results["torch"], results["triton"]
+    assert rel_err(logits, logits_t) < FWD_TOL and rel_err(loss, loss_t) < FWD_TOL
+    for name, grad in grads_t.items():
+        assert rel_err(grads[name], grad) < GRAD_TOL, name
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("static", [False, True], ids=["per_token", "static"])
+def test_half_precision_cuda(dtype, static):
+    """16-bit inputs (float32 accumulation) against float64: no worse than twice the error of
+    torch's own path (einsum + SDPA) on the same 16-bit inputs, plus 1e-3, and under 5e-2."""
+    x, m, v, do = make_inputs(2, 4, 1000, 64, static, dtype=dtype)
+    got = output_and_grads(damcha_attention, x, m, v, do)
+    torch_16 = output_and_grads(torch_reference, x, m, v, do)
+    exact = output_and_grads(torch_reference, *(t.double() for t in (x, m, v, do)))
+    for name, a, t, b in zip(("o", "dx", "dm", "dv"), got, torch_16, exact):
+        assert a.dtype == dtype, name
+        err, err_torch = rel_err(a, b), rel_err(t, b)
+        assert err < 2 * err_torch + 1e-3 and err < 5e-2, f"{name}: {err:.2e} (torch {dtype}: {err_torch:.2e})"
+
+
+@requires_cuda
+@pytest.mark.parametrize("static", [False, True], ids=["per_token", "static"])
+def test_long_sequence_cuda(static):
+    # T = 4096, float32 (IEEE products) against float64
+    check_against_float64(*make_inputs(1, 2, 4096, 64, static), block=None)
+
+
+@requires_cuda
+def test_forward_memory_cuda():
+    """The forward allocates its output and the row logsumexp only: neither q (B, H, T, dh) nor
+    the scores (B, H, T, T) reach global memory."""
+    B, H, T, dh = 1, 4, 4096, 64
+    x, m, v, _ = make_inputs(B, H, T, dh, static=False, dtype=torch.bfloat16)
+    damcha_attention(x, m, v)                                  # compile outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        o = damcha_attention(x, m, v)
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra <= o.numel() * o.element_size() + B * H * T * 4 + 2**20
