@@ -1,0 +1,43 @@
+"""
+text8 with DAMCHA, for one GPU: 38,091,452 parameters; config/text8_mha.py has
+38,105,600 (equal within 0.04%). Train, then score the whole val and test splits:
+
+    python train_char.py config/text8_damcha.py
+    python train_char.py --mode=eval --out_dir=out-text8-damcha
+
+Data: 10^8 characters of a-z and space, vocabulary 27; downloaded and prepared on the first
+run.
+Model: 12 layers of width 512, 8 heads, a context of 512 characters, dropout 0.1.
+One iteration is 32 x 512 = 16,384 characters; 50,000 iterations are 819M, about nine passes
+over the 90M training characters. On N GPUs keep that batch:
+    torchrun --standalone --nproc_per_node=N train_char.py config/text8_damcha.py \
+        --batch_size=$((32 / N)) --gradient_accumulation_steps=N
+"""
+out_dir = 'out-text8-damcha'
+dataset = 'text8'
+
+n_layer = 12
+n_head = 8
+n_embd = 512
+block_size = 512
+dropout = 0.1
+attn = 'damcha'
+share = True         # one metric generator for the whole stack
+gen_out = 'folded'   # it outputs m_i directly: H times fewer output weights than 'full'
+gen_depth = 2
+gen_width = 188      # spends the 2 x 512^2 query and key weights per layer that DAMCHA lacks
+
+batch_size = 32
+gradient_accumulation_steps = 1
+max_iters = 50000
+lr_decay_iters = 50000
+warmup_iters = 1000
+learning_rate = 1e-3
+min_lr = 1e-4
+beta2 = 0.99
+weight_decay = 0.1
+
+eval_interval = 2000
+eval_iters = 50
+log_interval = 100
+compile = True

@@ -1,0 +1,423 @@
+"""
+Tests of train_char.py: data preparation (from small archives made here, with the expected
+size and checksum set for the test), training, exact resume, DDP on CPU, eval, sample, plot,
+and every bad input of issue 4 (one line, non-zero exit, checkpoint untouched).
+
+    python -m pytest -q tests/test_train.py
+
+Most runs are in-process (tc.main) with a one-layer, 32-wide model; the command line itself,
+torchrun included, runs as a subprocess where exit codes and tracebacks are the point.
+"""
+import functools
+import hashlib
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+import train_char as tc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=4', '--gen_width=16',
+        '--eval_iters=2', '--log_interval=5', '--max_new_tokens=20', '--device=cpu', '--compile=False',
+        '--warmup_iters=2']
+
+
+def run(*argv):
+    tc.main([str(a) for a in argv])
+
+
+def fails(*argv):
+    """The one-line error message that tc.main exits with."""
+    with pytest.raises(SystemExit) as e:
+        run(*argv)
+    message = e.value.code
+    assert isinstance(message, str) and message.startswith('error: ') and '\n' not in message, message
+    return message
+
+
+def cli(*args, timeout=120):
+    return subprocess.run([sys.executable, 'train_char.py', *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def digest(path):
+    with open(path, 'rb') as f:
+        return hashlib.md5(f.read()).hexdigest()
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp('data')
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory, data_dir):
+    """A tiny Shakespeare run of 20 iterations, shared by the eval, sample and bad-input tests."""
+    out = tmp_path_factory.mktemp('run')
+    run(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=20', '--eval_interval=10')
+    return out
+
+
+def make_corpora(folder, monkeypatch, serve_url=None, as_prepared=False):
+    """Small stand-ins for enwik8 (random bytes) and text8 (random a-z and space), zipped into
+    folder/<name>.zip, or folder/<name>/<name>.zip where prepare() looks for them when
+    as_prepared; SOURCES then expects their sizes and checksums. Returns the contents."""
+    rng = np.random.default_rng(0)
+    contents = dict(enwik8=rng.integers(0, 256, 4000, dtype=np.uint8).tobytes(),
+                    text8=bytes(rng.choice(list(b' abcdefghijklmnopqrstuvwxyz'), 4000).astype(np.uint8)))
+    for name, data in contents.items():
+        where = os.path.join(folder, name) if as_prepared else folder
+        os.makedirs(where, exist_ok=True)
+        with zipfile.ZipFile(os.path.join(where, f'{name}.zip'), 'w', zipfile.ZIP_DEFLATED) as z:
+            z.writestr(name, data)
+        algorithm = tc.SOURCES[name]['digest'][0]
+        url = f'{serve_url}/{name}.zip' if serve_url else 'http://127.0.0.1:9/unreachable.zip'
+        monkeypatch.setitem(tc.SOURCES, name, dict(tc.SOURCES[name], url=url, size=len(data),
+                                                   digest=(algorithm, hashlib.new(algorithm, data).hexdigest())))
+    return contents
+
+
+@pytest.fixture
+def corpora(tmp_path, monkeypatch):
+    """data_dir with enwik8.zip and text8.zip already in place, as if put there by hand."""
+    data = tmp_path / 'data'
+    return data, make_corpora(str(data), monkeypatch, as_prepared=True)
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A local HTTP server for the download tests: (folder it serves, its URL)."""
+    folder = tmp_path / 'www'
+    folder.mkdir()
+    handler = functools.partial(type('Quiet', (http.server.SimpleHTTPRequestHandler,),
+                                     {'log_message': lambda *a: None}), directory=str(folder))
+    httpd = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield folder, f'http://127.0.0.1:{httpd.server_port}'
+    httpd.shutdown()
+    httpd.server_close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+
+def test_config_types_files_and_order(tmp_path):
+    config_file = tmp_path / 'c.py'
+    config_file.write_text('"""a config file"""\nbatch_size = 3\nlearning_rate = 1\ndataset = "text8"\n')
+    cfg, given = tc.parse_config([str(config_file), '--batch_size=5', '--compile=True', '--beta2=1',
+                                  '--start=123', '--n_layer=3'])
+    assert (cfg['batch_size'], cfg['learning_rate'], cfg['dataset']) == (5, 1.0, 'text8')
+    assert type(cfg['learning_rate']) is float and type(cfg['beta2']) is float   # int accepted for float
+    assert cfg['compile'] is True and cfg['start'] == '123' and cfg['n_layer'] == 3
+    assert given == {'batch_size', 'learning_rate', 'dataset', 'compile', 'beta2', 'start', 'n_layer'}
+    assert all(f in tc.DEFAULTS for f in tc.MODEL_KEYS)   # every GPTConfig field is a setting
+
+
+def test_bad_settings_are_one_line_errors(tmp_path):
+    assert "did you mean 'batch_size'" in fails('--batchsize=3')
+    assert 'expected int' in fails('--batch_size=1.5')
+    assert 'expected int' in fails('--batch_size=many')
+    assert 'expected bool' in fails('--compile=yes')
+    assert 'mode must be one of' in fails('--mode=fly')
+    assert 'must be positive' in fails('--batch_size=0')
+    assert 'no such config file' in fails('config/none.py')
+    assert '--key=value' in fails('--max_iters')
+    broken = tmp_path / 'broken.py'
+    broken.write_text('batch_size = = 3\n')
+    assert 'SyntaxError' in fails(broken)
+    unknown = tmp_path / 'unknown.py'
+    unknown.write_text('batch_sise = 3\n')
+    assert 'unknown setting' in fails(unknown)
+
+
+def test_command_line_errors_have_no_traceback():
+    for args, words in [(['--no_such_flag=1'], 'unknown setting'), (['--max_iters=ten'], 'expected int'),
+                        (['--dataset=no/such/file.txt'], 'neither'),
+                        (['--n_embd=30', '--n_head=4'], 'divisible')]:
+        result = cli(*args, '--out_dir=/nonexistent/never-written')
+        assert result.returncode != 0 and words in result.stderr, result.stderr
+        assert result.stderr.strip().count('\n') == 0 and 'Traceback' not in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+def test_shakespeare_is_split_90_10_over_its_distinct_bytes(data_dir):
+    meta = tc.prepare('shakespeare', str(data_dir))
+    with open(tc.BUNDLED, 'rb') as f:
+        raw = np.frombuffer(f.read(), dtype=np.uint8)
+    assert meta['vocab'] == sorted(set(raw.tolist())) and len(meta['vocab']) == 80
+    n_train = len(raw) * 90 // 100
+    assert meta['splits'] == {'train': n_train, 'val': len(raw) - n_train}
+    vocab = np.array(meta['vocab'], dtype=np.uint8)
+    train = np.fromfile(os.path.join(meta['dir'], 'train.bin'), dtype=np.uint8)
+    val = np.fromfile(os.path.join(meta['dir'], 'val.bin'), dtype=np.uint8)
+    assert (vocab[train] == raw[:n_train]).all() and (vocab[val] == raw[n_train:]).all()
+
+
+def test_text_file_is_split_90_5_5_and_prepared_again_when_it_changes(tmp_path):
+    text = tmp_path / 'notes.txt'
+    text.write_bytes(b'hello world, ' * 100)
+    meta = tc.prepare(str(text), str(tmp_path / 'data'))
+    assert meta['dir'] == str(tmp_path / 'data' / 'notes')
+    assert meta['splits'] == {'train': 1170, 'val': 65, 'test': 65}
+    assert bytes(meta['vocab']) == b' ,dehlorw'
+    text.write_bytes(b'abc' * 100)
+    assert bytes(tc.prepare(str(text), str(tmp_path / 'data'))['vocab']) == b'abc'
+
+
+def test_enwik8_text8_and_mix_from_archives(corpora):
+    data, contents = corpora
+    for name in ('enwik8', 'text8'):
+        meta = tc.prepare(name, str(data))
+        assert meta['splits'] == {'train': 3600, 'val': 200, 'test': 200}   # 90 / 5 / 5 of 4000
+        assert meta['vocab'] == tc.SOURCES[name]['vocab']
+        vocab = np.array(meta['vocab'], dtype=np.uint8)
+        raw = np.frombuffer(contents[name], dtype=np.uint8)
+        for split, (a, b) in dict(train=(0, 3600), val=(3600, 3800), test=(3800, 4000)).items():
+            ids = np.fromfile(data / name / f'{split}.bin', dtype=np.uint8)
+            assert (vocab[ids] == raw[a:b]).all(), (name, split)
+        os.remove(data / name / f'{name}.zip')   # prepared once: the archive is not needed again
+        assert tc.prepare(name, str(data))['splits'] == meta['splits']
+    assert len(tc.SOURCES['text8']['vocab']) == 27 and bytes(tc.SOURCES['text8']['vocab'][:2]) == b' a'
+
+    components, vocab = tc.load_dataset('mix', str(data))
+    assert vocab == list(range(256)) and [c['name'] for c in components] == ['enwik8', 'text8']
+    which, offsets = tc.draw_rows(components, 'train', 4000, 16, torch.Generator().manual_seed(0))
+    assert abs(which.float().mean().item() - 0.5) < 0.03   # each row from either with probability 1/2
+    x, y = tc.get_batch(components, 'train', which[:64], offsets[:64], 16, 'cpu')
+    raw = {n: np.frombuffer(contents[n], dtype=np.uint8) for n in contents}
+    for row, (c, o) in enumerate(zip(which[:64].tolist(), offsets[:64].tolist())):
+        expected = raw[components[c]['name']][o:o + 17]   # text8 rows come as bytes, like enwik8's
+        assert x[row].tolist() == expected[:-1].tolist() and y[row].tolist() == expected[1:].tolist()
+
+
+def test_download_is_verified_renamed_and_not_repeated(tmp_path, monkeypatch, server, capsys):
+    folder, url = server
+    make_corpora(str(folder), monkeypatch, serve_url=url)
+    meta = tc.prepare('enwik8', str(tmp_path / 'data'))
+    assert meta['splits']['train'] == 3600 and meta['source'] == f'{url}/enwik8.zip'
+    assert sorted(os.listdir(tmp_path / 'data' / 'enwik8')) == ['enwik8.zip', 'meta.json', 'test.bin',
+                                                                'train.bin', 'val.bin']
+    assert 'enwik8.zip: 100%' in capsys.readouterr().err   # the progress bar
+    os.remove(folder / 'enwik8.zip')            # no second download: it would now fail
+    assert tc.prepare('enwik8', str(tmp_path / 'data'))['splits']['train'] == 3600
+
+    monkeypatch.setitem(tc.SOURCES, 'text8', dict(tc.SOURCES['text8'], digest=('sha1', '0' * 40)))
+    message = fails('--dataset=text8', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}')
+    assert 'failed verification' in message and 'sha1' in message
+    assert not os.path.exists(tmp_path / 'data' / 'text8' / 'text8.zip')
+    assert not os.path.exists(tmp_path / 'data' / 'text8' / 'text8.zip.part')
+
+
+def test_offline_download_says_where_to_put_the_archive(tmp_path, monkeypatch):
+    make_corpora(str(tmp_path / 'zips'), monkeypatch)   # URLs point at a closed port
+    message = fails('--dataset=mix', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}')
+    assert 'could not download http://127.0.0.1:9/' in message
+    assert f"put it at {tmp_path / 'data' / 'enwik8' / 'enwik8.zip'}" in message
+
+
+def test_wrong_archive_is_reported_and_kept(corpora, monkeypatch):
+    data, _ = corpora
+    monkeypatch.setitem(tc.SOURCES, 'enwik8', dict(tc.SOURCES['enwik8'], size=10**8))
+    message = fails('--dataset=enwik8', f'--data_dir={data}', f'--out_dir={data / "out"}')
+    assert 'expected 100,000,000 bytes' in message and 'delete it' in message
+    assert os.path.exists(data / 'enwik8' / 'enwik8.zip')
+
+
+# ---------------------------------------------------------------------------------------------
+# Training, resuming, DDP
+
+def test_command_line_train_resume_sample(tmp_path, data_dir):
+    """Issue 4's 'done when': 60 iterations log a falling val loss and a checkpoint, a resume
+    continues to 90, and sampling prints text after the prompt."""
+    out = tmp_path / 'out'
+    common = [*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--learning_rate=1e-2']
+    result = cli(*common, '--max_iters=60', '--eval_interval=30')
+    assert result.returncode == 0, result.stderr
+    val = [e['val_loss'] for e in read_jsonl(out / 'log.jsonl')]
+    assert len(val) == 3 and val[0] > val[1] > val[2], val
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 60
+    assert 'sample:' in result.stdout
+
+    result = cli(*common, '--init_from=resume', '--max_iters=90')
+    assert result.returncode == 0, result.stderr
+    assert [e['iter'] for e in read_jsonl(out / 'log.jsonl')] == [0, 30, 60, 90]
+    assert [e['iter'] for e in read_jsonl(out / 'train_log.jsonl')] == list(range(90))
+
+    result = cli('--mode=sample', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=40', '--num_samples=2')
+    assert result.returncode == 0, result.stderr
+    samples = result.stdout.split('---------------\n')
+    assert len(samples) == 3 and all(s.startswith('ROMEO:') and len(s) > 40 for s in samples[:2])
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_dir):
+    common = [*TINY, f'--data_dir={data_dir}', '--eval_interval=4', '--dropout=0.1',
+              '--gradient_accumulation_steps=2', '--lr_decay_iters=8', '--max_new_tokens=1']
+    run(*common, f'--out_dir={tmp_path / "a"}', '--max_iters=8')
+    run(*common, f'--out_dir={tmp_path / "b"}', '--max_iters=4')
+    for log in ('log.jsonl', 'train_log.jsonl'):   # as if b had run on past its checkpoint, then crashed
+        with open(tmp_path / 'b' / log, 'a') as f:
+            f.write(json.dumps(dict(iter=5, loss=0.0, val_loss=0.0)) + '\n')
+    run(f'--out_dir={tmp_path / "b"}', '--init_from=resume', '--max_iters=8')
+    a, b = (read_jsonl(tmp_path / d / 'train_log.jsonl') for d in 'ab')
+    assert [e['iter'] for e in b] == list(range(8))
+    assert a == b                                    # every loss and learning rate, bit for bit
+    assert [e['val_loss'] for e in read_jsonl(tmp_path / 'a' / 'log.jsonl')] == \
+           [e['val_loss'] for e in read_jsonl(tmp_path / 'b' / 'log.jsonl')]
+
+
+def test_ddp_on_two_cpu_processes_matches_one_process(tmp_path, data_dir):
+    common = [*TINY, f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=4', '--log_interval=2',
+              '--gradient_accumulation_steps=2', '--max_new_tokens=1']
+    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             'train_char.py', *common, f'--out_dir={tmp_path / "ddp"}'],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count('sample:') == 1      # only rank 0 logs and samples
+    run(*common, f'--out_dir={tmp_path / "one"}')
+    ddp, one = (read_jsonl(tmp_path / d / 'train_log.jsonl') for d in ('ddp', 'one'))
+    assert [e['iter'] for e in ddp] == [0, 1, 2, 3]
+    np.testing.assert_allclose([e['loss'] for e in ddp], [e['loss'] for e in one], rtol=1e-4)
+    ckpt = torch.load(tmp_path / 'ddp' / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 4 and len(ckpt['rng']['torch']) == 2   # both processes' RNG states
+
+
+def test_non_finite_loss_stops_and_keeps_the_checkpoint(trained, monkeypatch, tmp_path):
+    class Diverging(tc.GPT):
+        def forward(self, idx, targets=None, **kwargs):
+            logits, loss = super().forward(idx, targets, **kwargs)
+            return logits, loss * float('nan') if self.training else loss
+
+    before = digest(trained / 'ckpt.pt')
+    monkeypatch.setattr(tc, 'GPT', Diverging)
+    message = fails('--init_from=resume', f'--out_dir={trained}', '--max_iters=40')
+    assert 'training loss became nan at iter 20' in message and 'iter 20) is the last good checkpoint' in message
+    assert digest(trained / 'ckpt.pt') == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Eval, sample, plot
+
+def test_eval_scores_every_token_once(trained, tmp_path, monkeypatch, capsys):
+    # a shorter Shakespeare keeps this fast; its vocabulary is a subset of the model's
+    small = tmp_path / 'small.txt'
+    small.write_bytes(open(tc.BUNDLED, 'rb').read()[:20000])
+    monkeypatch.setattr(tc, 'BUNDLED', str(small))
+    results = []
+    for stride in (0, 5):
+        run('--mode=eval', f'--out_dir={trained}', f'--stride={stride}', f'--data_dir={tmp_path}', '--batch_size=64')
+        out, err = capsys.readouterr()
+        results.append(json.loads(out))
+        assert 'shakespeare has no test split' in err
+    for r, stride in zip(results, (16, 5)):
+        assert r['stride'] == stride and r['val_tokens'] == 2000 - 1 and 'test_bpc' not in r
+        assert r['val_bpc'] == pytest.approx(r['val_loss'] / np.log(2)) and 1 < r['val_bpc'] < 7
+    assert abs(results[0]['val_bpc'] - results[1]['val_bpc']) < 0.2
+
+
+def test_mix_training_and_eval_report_both_corpora(corpora, capsys):
+    data, _ = corpora
+    out = data / 'out'
+    run(*TINY, '--dataset=mix', f'--data_dir={data}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=2')
+    entry = read_jsonl(out / 'log.jsonl')[-1]
+    assert entry['val_loss'] == pytest.approx((entry['val_loss_enwik8'] + entry['val_loss_text8']) / 2)
+    assert {'val_bpc_enwik8', 'val_bpc_text8', 'train_loss_enwik8', 'train_loss_text8'} <= set(entry)
+    capsys.readouterr()
+    run('--mode=eval', f'--out_dir={out}')
+    result = json.loads(capsys.readouterr().out)
+    for split in ('val', 'test'):
+        assert result[f'{split}_tokens_enwik8'] == result[f'{split}_tokens_text8'] == 199
+        assert result[f'{split}_bpc'] == pytest.approx((result[f'{split}_bpc_enwik8'] + result[f'{split}_bpc_text8']) / 2)
+
+
+def test_sample_from_a_file_prompt(trained, tmp_path, capsys):
+    prompt = tmp_path / 'prompt.txt'
+    prompt.write_text('Ham.\n')
+    run('--mode=sample', f'--out_dir={trained}', f'--start=FILE:{prompt}', '--max_new_tokens=30', '--seed=1')
+    first = capsys.readouterr().out
+    assert first.startswith('Ham.\n') and first.endswith('---------------\n')
+    run('--mode=sample', f'--out_dir={trained}', f'--start=FILE:{prompt}', '--max_new_tokens=30', '--seed=1')
+    assert capsys.readouterr().out == first   # the seed fixes the sample
+
+
+def test_plot_of_several_runs(trained, tmp_path):
+    png = tmp_path / 'bpc.png'
+    run('--mode=plot', f'--out_dir={trained},{trained}', f'--plot_file={png}')
+    with open(png, 'rb') as f:
+        assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+    assert 'log.jsonl' in fails('--mode=plot', f'--out_dir={tmp_path}')
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input never touches a checkpoint
+
+def test_bad_checkpoints_are_refused_and_kept(trained, tmp_path):
+    ckpt = torch.load(trained / 'ckpt.pt', weights_only=True)
+    cases = {'garbage': b'not a checkpoint at all', 'truncated': (trained / 'ckpt.pt').read_bytes()[:5000]}
+    for name, content in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'ckpt.pt').write_bytes(content)
+    for name, content in dict(foreign={'model': ckpt['model']},
+                              mismatched=ckpt | {'model_args': ckpt['model_args'] | {'n_embd': 64}}).items():
+        (tmp_path / name).mkdir()
+        torch.save(content, tmp_path / name / 'ckpt.pt')
+    expected = dict(garbage='not a readable checkpoint', truncated='not a readable checkpoint',
+                    foreign='not a checkpoint of train_char.py', mismatched='do not fit the model')
+    for name, words in expected.items():
+        before = digest(tmp_path / name / 'ckpt.pt')
+        for mode in ('train', 'eval', 'sample'):
+            assert words in fails(f'--mode={mode}', '--init_from=resume', f'--out_dir={tmp_path / name}',
+                                  '--max_iters=40')
+        assert digest(tmp_path / name / 'ckpt.pt') == before
+    assert 'no checkpoint at' in fails('--init_from=resume', f'--out_dir={tmp_path / "empty"}')
+
+
+def test_bad_input_with_an_existing_checkpoint_leaves_it_alone(trained, corpora):
+    before = digest(trained / 'ckpt.pt')
+    out = f'--out_dir={trained}'
+    assert 'exists: continue it with --init_from=resume' in fails(*TINY, out, '--max_iters=40')
+    assert 'do not fit the model' in fails('--init_from=resume', out, '--max_iters=40', '--n_embd=64')
+    assert 'divisible' in fails('--init_from=resume', out, '--max_iters=40', '--n_head=5')
+    assert 'raise max_iters' in fails('--init_from=resume', out)
+    assert 'neither' in fails('--init_from=resume', out, '--max_iters=40', '--dataset=nothing.txt')
+    assert 'expected float' in fails('--init_from=resume', out, '--learning_rate=fast')
+    assert 'longer than the model' in fails('--mode=sample', out, '--start=' + 'a' * 17)
+    assert "outside the model's 80-symbol vocabulary: '\\x00'" in fails('--mode=sample', out, '--start=a\x00')
+    assert 'cannot read the prompt' in fails('--mode=sample', out, '--start=FILE:/no/such/prompt')
+    assert 'stride=17 is larger than block_size=16' in fails('--mode=eval', out, '--stride=17')
+    assert digest(trained / 'ckpt.pt') == before
+
+    data, _ = corpora   # text8 knows only a-z and space
+    run(*TINY, '--dataset=text8', f'--data_dir={data}', f'--out_dir={data / "t8"}', '--max_iters=1')
+    message = fails('--mode=sample', f'--out_dir={data / "t8"}', '--start=ROMEO:')
+    assert "27-symbol vocabulary: ':' 'E' 'M' 'O' 'R'" in message
+
+
+@pytest.mark.parametrize('corpus', ['enwik8', 'text8', 'mix'])
+def test_gpu_configs_state_their_equal_parameter_counts(corpus):
+    counts = {}
+    for attn in ('damcha', 'mha'):
+        path = os.path.join(ROOT, 'config', f'{corpus}_{attn}.py')
+        cfg, _ = tc.parse_config([path])
+        assert (cfg['dataset'], cfg['attn'], cfg['out_dir']) == (corpus, attn, f'out-{corpus}-{attn}')
+        with torch.device('meta'):   # shapes only: no memory, no time
+            model = tc.GPT(tc.GPTConfig(**{k: cfg[k] for k in tc.MODEL_KEYS} | {'vocab_size': len(
+                tc.SOURCES['text8']['vocab']) if corpus == 'text8' else 256}))
+        counts[attn] = sum(p.numel() for p in model.parameters())
+        with open(path) as f:
+            assert f'{counts[attn]:,} parameters' in f.read()
+    assert abs(counts['damcha'] - counts['mha']) < 0.0004 * counts['mha']
