@@ -1,5 +1,6 @@
 """
-damcha_torch.py: the DAMCHA GPT in PyTorch, in the shape of nanoGPT's model.py.
+damcha_torch.py: the DAMCHA GPT in PyTorch, in the shape of nanoGPT's model.py, with the attention
+baselines it is compared against.
 
 DAMCHA (Data-Adaptive Mahalanobis Cross-Head Attention, arXiv 2610.13261) drops the query and
 key projections of multi-head attention. A small MLP, the metric generator f, reads the causal
@@ -12,9 +13,32 @@ parameter names and layouts, so one set of weights loads into both (tests/test_t
 logits, loss and every gradient against it in float64). What this file adds is speed:
   - gen_out="full" never builds the (B, T, D, D) tensor M: RowSum is linear, so it is applied
     to the last generator layer's weights inside forward (exact, gradients included);
+  - the metrics m (B, T, H, dh, dh), the largest tensors of a step, are applied with a hand-written
+    backward (MetricQuery) and handed from layer to layer, so that the gradient of the stack's
+    shared m is a single buffer that every layer adds into (at bench.py's --quick config this
+    took a train step from 0.63x to 0.77x MHA's throughput, and its memory from 103 to 74 MiB);
   - softmax(q k^T) v goes through F.scaled_dot_product_attention (flash attention on CUDA);
   - with share=True the generator runs once per forward pass;
   - generate() decodes incrementally from a cache of keys, values and context sums.
+
+The baselines (attn=...) all use MHA's c_attn (rows [q; k; v]) and c_proj:
+  "mha"    standard multi-head attention;
+  "tha"    Talking-Heads attention (Shazeer et al. 2020): a learned H x H matrix mixes the heads'
+           logits before the softmax and another mixes their probabilities after it. Stored as
+           their difference from the identity, h.{l}.attn.pre_mix and .post_mix (H, H), zero at
+           init (the model starts as MHA, and weight decay pulls back towards it): 2 H^2
+           parameters per layer more than MHA;
+  "dcmha"  Dynamically Composable MHA (Xiao et al. 2024): the logits and then the probabilities
+           are composed across heads with weights computed from the block input (see compose):
+             h.{l}.attn.dyn_fc    Linear D -> 4 C, then GELU: the hidden units of the four
+                                  compositions (before the softmax query-wise and key-wise, after
+                                  it the same), C = 4H each, as in DCFormer
+             h.{l}.attn.dyn_proj  (4, 2 R H, C): each composition's output layer, giving its
+                                  w1 and w2 (R, H); rank R = 2
+             h.{l}.attn.dyn_gate  Linear D -> 4 H, then tanh: the gates d, zero at init
+           20 H D + 64 H^2 parameters per layer more than MHA, + 20 H with bias.
+Both materialise the (B, H, T, T) logits and probabilities, which F.scaled_dot_product_attention
+does not expose: their activation memory grows as T^2. damcha_numpy.py has "damcha" and "mha" only.
 
 Use it:
     from damcha_torch import GPT, GPTConfig
@@ -24,26 +48,26 @@ Measure the peak memory of a train step, gen_out="full" against "folded" (each i
 process):
     python damcha_torch.py
 """
+import dataclasses
 import inspect
 import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
 
-@dataclass
+@dataclasses.dataclass
 class GPTConfig:
     vocab_size: int = 80
     block_size: int = 64
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64
-    attn: str = "damcha"     # "damcha" | "mha" (the baseline)
+    attn: str = "damcha"     # "damcha" | the baselines "mha", "dcmha", "tha" (these two: PyTorch only)
     adaptive: bool = True    # False: M is a learned constant, the ablation "without f(x)"
     share: bool = True       # one generator for the whole stack (Section 3.4)
     blocks: str = "all"      # which blocks RowSum adds: "all" | "diag" (M_ii) | "offdiag" (j != i)
@@ -52,18 +76,20 @@ class GPTConfig:
     gen_width: int = 64      # w, the hidden width of f
     bias: bool = True
     dropout: float = 0.0     # embedding, attention and residual dropout while training (NumPy: 0 only)
-    kernel: str = "torch"    # attention implementation; only "torch" exists so far
+    kernel: str = "torch"    # DAMCHA attention: "torch" (einsum + SDPA) | "triton" (damcha_triton.py, fused)
 
     def __post_init__(self):
         checks = [
             (self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
-            (self.attn in ("damcha", "mha"), f"attn must be 'damcha' or 'mha', not {self.attn!r}"),
+            (self.attn in ("damcha", "mha", "dcmha", "tha"), f"attn must be 'damcha', 'mha', 'dcmha' or 'tha', not {self.attn!r}"),
             (self.blocks in ("all", "diag", "offdiag"), f"blocks must be 'all', 'diag' or 'offdiag', not {self.blocks!r}"),
             (self.gen_out in ("full", "folded"), f"gen_out must be 'full' or 'folded', not {self.gen_out!r}"),
             (self.gen_out == "full" or self.blocks == "all", "blocks other than 'all' need gen_out='full'"),
             (self.gen_depth >= 1, f"gen_depth must be >= 1, not {self.gen_depth}"),
             (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), not {self.dropout}"),
-            (self.kernel == "torch", f"kernel must be 'torch', not {self.kernel!r}"),
+            (self.kernel in ("torch", "triton"), f"kernel must be 'torch' or 'triton', not {self.kernel!r}"),
+            (self.kernel == "torch" or self.attn == "damcha", "kernel='triton' is for attn='damcha' only"),
+            (self.kernel == "torch" or self.dropout == 0, "kernel='triton' has no attention dropout: use dropout=0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -130,7 +156,12 @@ class MetricGenerator(nn.ModuleList):
             weight = rowsum(weight, self.config).reshape(H * dh * dh, -1)
             bias = None if bias is None else rowsum(bias, self.config).reshape(H * dh * dh)
         B, T, _ = c.shape
-        return F.linear(c, weight, bias).view(B, T, H, dh, dh)
+        # F.linear's product, with the weight passed as a contiguous (w, out) copy (w*out numbers):
+        # autograd then forms the weight gradient as c^T dm, (w, B*T)(B*T, out), which MKL runs about
+        # twice as fast on the CPU as the dm^T c it picks for a transposed view (measured, w ~ 30)
+        c, weight = c.reshape(B * T, -1), weight.t().contiguous()
+        m = c @ weight if bias is None else torch.addmm(bias, c, weight)   # (B*T, H*dh*dh)
+        return m.view(B, T, H, dh, dh)
 
 
 def add_metric(owner, config):
@@ -156,54 +187,173 @@ def compute_metric(owner, z, config, state=None):
     return owner.metric
 
 
+class MetricQuery(torch.autograd.Function):
+    """Eq. 5's query side with one metric per position: q_i = x_i m_i. x (B, T, H, dh) and
+    m (B, T, H, dh, dh) -> (q (B, T, H, dh), m), m passed on (as a view) to the next layer.
+
+    Why by hand: autograd's backward of the einsum takes torch's per-matrix bmm loop on the CPU
+    for the outer products dm = x_i^T dq_i (B*T*H products of a column and a row; measured over
+    10x slower than the broadcast product below). Why m is passed on: when the stack shares m,
+    layer l uses the m that layer l-1 returned, so the layers form a chain and backward hands
+    each layer the gradient of m summed over the layers above it; the layer adds its own
+    x_i^T dq_i into that buffer in place. Autograd's own summing would allocate one m-sized
+    gradient per layer and add them up: for a tensor this large that is memory traffic and,
+    the buffers being freshly mapped each step, page faults (measured: ~12k per step at the
+    bench's --quick config). Eager mode only: torch.compile rejects the returned view of m
+    being written in place, and CausalSelfAttention gives it the plain einsum instead."""
+
+    @staticmethod
+    def forward(ctx, x, m):
+        ctx.save_for_backward(x, m)
+        ctx.set_materialize_grads(False)                             # an unused m arrives as None
+        return (x.unsqueeze(-2) @ m).squeeze(-2), m.view_as(m)
+
+    @staticmethod
+    def backward(ctx, dq, dm):
+        # dq (B, T, H, dh); dm: the gradient of the m this layer passed on, or None at the top
+        if dq is None:
+            return None, dm
+        x, m = ctx.saved_tensors
+        dx = (dq.unsqueeze(-2) @ m.transpose(-1, -2)).squeeze(-2)   # dq_i m_i^T
+        if dm is None:
+            return dx, x.unsqueeze(-1) * dq.unsqueeze(-2)            # x_i^T dq_i
+        return dx, dm.addcmul_(x.unsqueeze(-1), dq.unsqueeze(-2))   # the chain's one buffer, in place
+
+
 # ----------------------------------------------------------------------------------------------
 # The transformer
 
+DCMHA_RANK = 2             # R, the rank of DCMHA's query-wise and key-wise compositions
+
+
+def compose(A, query, key):
+    """DCMHA's cross-head composition of logits or probabilities A (B, H, T, S):
+        C(A)[n,t,s] = A[n,t,s] + sum_r w2_q(t)[r,n] sum_m w1_q(t)[r,m] A[m,t,s]
+                               + sum_r w2_k(s)[r,n] sum_m w1_k(s)[r,m] A[m,t,s]
+                               + (d_q(t)[n] + d_k(s)[n]) A[n,t,s]
+    query = (w1_q, w2_q, d_q) of the T query positions, (B, T, R, H), (B, T, R, H), (B, T, H);
+    key = (w1_k, w2_k, d_k) of the S key positions, (B, S, R, H), (B, S, R, H), (B, S, H).
+    Every term mixes the heads at a single (t, s), never across positions."""
+    (w1q, w2q, dq), (w1k, w2k, dk) = query, key
+    out = A * (1 + dq.transpose(1, 2).unsqueeze(-1) + dk.transpose(1, 2).unsqueeze(-2))
+    out = out + torch.einsum("brts,btrn->bnts", torch.einsum("bmts,btrm->brts", A, w1q), w2q)
+    return out + torch.einsum("brts,bsrn->bnts", torch.einsum("bmts,bsrm->brts", A, w1k), w2k)
+
+
 class CausalSelfAttention(nn.Module):
-    """DAMCHA attention (Eqs. 5-8), or with attn="mha" the standard multi-head baseline."""
+    """DAMCHA attention (Eqs. 5-8), or one of the baselines: attn="mha", "tha" or "dcmha"."""
 
     def __init__(self, config):
         super().__init__()
-        D = config.n_embd
-        if config.attn == "mha":
-            self.c_attn = nn.Linear(D, 3 * D, bias=config.bias)      # rows [q; k; v]
-        else:
+        D, H = config.n_embd, config.n_head
+        if config.attn == "damcha":
             self.c_v = nn.Linear(D, D, bias=config.bias)             # Eq. 7: the value projection
             if not config.share:
                 add_metric(self, config)
+        else:
+            self.c_attn = nn.Linear(D, 3 * D, bias=config.bias)      # rows [q; k; v]
+        if config.attn == "tha":
+            self.pre_mix = nn.Parameter(torch.zeros(H, H))           # logits mixed by I + pre_mix
+            self.post_mix = nn.Parameter(torch.zeros(H, H))          # probabilities by I + post_mix
+        if config.attn == "dcmha":
+            C = 4 * H
+            self.dyn_fc = nn.Linear(D, 4 * C, bias=config.bias)
+            self.dyn_proj = nn.Parameter(torch.empty(4, 2 * DCMHA_RANK * H, C))
+            self.dyn_gate = nn.Linear(D, 4 * H, bias=config.bias)
         self.c_proj = nn.Linear(D, D, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.config = config
 
     def forward(self, u, m=None, state=None):
         """u (B, T, D), the normalised layer input. m: the stack's shared metrics, or None when
-        this layer owns its generator. state: this layer's decoding cache, or None."""
+        this layer owns its generator (or there is none). state: this layer's decoding cache, or
+        None. Returns (y (B, T, D), the shared metrics for the next layer, see MetricQuery)."""
         B, T, D = u.size()
         H = self.config.n_head
         dh = D // H
-        if self.config.attn == "mha":
-            q, k, v = (a.view(B, T, H, dh) for a in self.c_attn(u).split(D, dim=2))
-        else:
-            if m is None:
-                m = compute_metric(self, u, self.config, state)
+        fused = self.config.kernel == "triton" and state is None    # decoding keeps the torch path
+        if self.config.attn == "damcha":
             x = u.view(B, T, H, dh)                                  # head slices x_i: no q/k projections
-            # Eq. 5, the query side: q_i = x_i m_i, one (dh x dh) metric per head and position
-            q = torch.einsum("bthd,bthde->bthe" if m.dim() == 5 else "bthd,hde->bthe", x, m)
-            k = x                                                    # keys are the slices x_i themselves
+            own = m is None
+            if own:
+                m = compute_metric(self, u, self.config, state)
             v = self.c_v(u).view(B, T, H, dh)                        # Eq. 7
-        q, k, v = (a.transpose(1, 2) for a in (q, k, v))             # (B, H, T, dh)
-        if state is not None:
-            if "k" in state:
-                k = torch.cat([state["k"], k], dim=2)                # (B, H, t + T, dh)
-                v = torch.cat([state["v"], v], dim=2)
-            state["k"], state["v"] = k, v
-        # Eqs. 5-7: softmax(q k^T / sqrt(dh)) v over s <= t. With a cache the T new queries are
-        # the last positions, so causal masking is only needed when there is no earlier token;
-        # GPT.forward feeds a single token once the cache holds any.
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.config.dropout if self.training else 0.0,
-                                           is_causal=q.size(2) == k.size(2))
+            if fused:
+                from damcha_triton import damcha_attention           # imports triton only when asked
+                # Eqs. 5-7 in one kernel: each query q_i = x_i m_i is formed on chip, never stored
+                y = damcha_attention(x.transpose(1, 2), m, v.transpose(1, 2))          # (B, H, T, dh)
+            # Eq. 5, the query side: q_i = x_i m_i, one (dh x dh) metric per head and position, or
+            # a static one (then the einsum is one matrix product per head). torch.compile plans
+            # its own kernels and memory: it gets the plain einsum
+            elif m.dim() == 5 and not torch.compiler.is_compiling():
+                q, m = MetricQuery.apply(x, m)
+            else:
+                q = torch.einsum("bthd,bthde->bthe" if m.dim() == 5 else "bthd,hde->bthe", x, m)
+            if own:
+                m = None                                             # a layer's own metrics stay with it
+            k = x                                                    # keys are the slices x_i themselves
+        else:
+            q, k, v = (a.view(B, T, H, dh) for a in self.c_attn(u).split(D, dim=2))
+        if not fused:
+            q, k, v = (a.transpose(1, 2) for a in (q, k, v))         # (B, H, T, dh)
+            if state is not None:
+                if "k" in state:
+                    k = torch.cat([state["k"], k], dim=2)            # (B, H, t + T, dh)
+                    v = torch.cat([state["v"], v], dim=2)
+                state["k"], state["v"] = k, v
+            if self.config.attn in ("damcha", "mha"):
+                # Eqs. 5-7: softmax(q k^T / sqrt(dh)) v over s <= t. With a cache the T new queries
+                # are the last positions, so causal masking is only needed when there is no earlier
+                # token; GPT.forward feeds a single token once the cache holds any.
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.config.dropout if self.training else 0.0,
+                                                   is_causal=q.size(2) == k.size(2))
+            else:
+                y = self.composed_attention(q, k, v, u, state)
         y = y.transpose(1, 2).reshape(B, T, D)                       # Eq. 8: concat(O_0 .. O_{H-1})
-        return self.resid_dropout(self.c_proj(y))
+        return self.resid_dropout(self.c_proj(y)), m
+
+    def composed_attention(self, q, k, v, u, state):
+        """THA and DCMHA: softmax attention whose heads are mixed before and after the softmax.
+        q (B, H, T, dh) for the T new positions, k and v (B, H, S, dh) for all S, u (B, T, D).
+        The mixing needs the (B, H, T, S) logits and probabilities themselves."""
+        T, S = q.size(2), k.size(2)
+        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)   # query t is key S - T + t
+        logits = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))                     # (B, H, T, S)
+        if self.config.attn == "tha":
+            logits = logits + torch.einsum("nm,bmts->bnts", self.pre_mix, logits)
+            probs = F.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+            # the masked probabilities are 0, and mixing heads at one (t, s) keeps them 0
+            probs = probs + torch.einsum("nm,bmts->bnts", self.post_mix, probs)
+        else:
+            pre, post = self.dynamic_weights(u, state)
+            # the mask comes after the pre-softmax composition, and the masked probabilities are
+            # zeroed after the post-softmax one, as in DCFormer
+            probs = F.softmax(compose(logits, *pre).masked_fill(~causal, float("-inf")), dim=-1)
+            probs = compose(probs, *post).masked_fill(~causal, 0.0)
+        probs = F.dropout(probs, self.config.dropout, self.training)
+        return probs @ v                                                             # (B, H, T, dh)
+
+    def dynamic_weights(self, u, state):
+        """DCMHA's weights, computed from the block input u (B, T, D) by a small MLP, for the four
+        compositions: w1 (RMS-normalised over the heads), w2 and the tanh gate d. Returns
+        (pre, post), each a pair (query, key) of compose's arguments. With a cache the weights of
+        the earlier positions come from it: they serve as keys to the new queries."""
+        B, T, _ = u.shape
+        H, R = self.config.n_head, DCMHA_RANK
+        hidden = F.gelu(self.dyn_fc(u), approximate="tanh").view(B, T, 4, -1)       # (B, T, 4, C)
+        w = torch.einsum("btgc,goc->btgo", hidden, self.dyn_proj).view(B, T, 4, 2, R, H)
+        w1, w2 = w.unbind(3)                                                         # (B, T, 4, R, H)
+        w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + 1e-6)
+        d = torch.tanh(self.dyn_gate(u)).view(B, T, 4, H)
+        if state is not None:
+            if "dyn" in state:
+                w1, w2, d = (torch.cat([old, new], dim=1) for old, new in zip(state["dyn"], (w1, w2, d)))
+            state["dyn"] = w1, w2, d
+        # composition g: 0 and 1 before the softmax (query-wise, key-wise), 2 and 3 after it;
+        # the queries are the last T positions, the keys all of them
+        query = lambda g: tuple(a[:, -T:, g] for a in (w1, w2, d))
+        key = lambda g: tuple(a[:, :, g] for a in (w1, w2, d))
+        return (query(0), key(1)), (query(2), key(3))
 
 
 class MLP(nn.Module):
@@ -230,8 +380,10 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, m=None, state=None):
-        x = x + self.attn(self.ln_1(x), m, state)                    # attention sees u = ln_1(x)
-        return x + self.mlp(self.ln_2(x))
+        """-> (x, the shared metrics m for the next block)"""
+        y, m = self.attn(self.ln_1(x), m, state)                     # attention sees u = ln_1(x)
+        x = x + y
+        return x + self.mlp(self.ln_2(x)), m
 
 
 class GPT(nn.Module):
@@ -247,13 +399,18 @@ class GPT(nn.Module):
         if self.shares_metric:
             add_metric(self, config)
         # nanoGPT's init, as damcha_numpy.init_params: N(0, 0.02) weights, embeddings, generator
-        # and static metric; zero biases; residual projections scaled by 1/sqrt(2 n_layer)
+        # and static metric; zero biases; residual projections scaled by 1/sqrt(2 n_layer).
+        # The baselines' extras: THA's mixes zero (built so), DCMHA's dyn_proj N(0, 0.02)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-            elif name.endswith("metric"):
+            elif name.endswith(("metric", "dyn_proj")):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02)
+            elif name.endswith("dyn_gate.weight"):
+                # DCMHA's gates start at tanh(0) = 0, and its low-rank terms small (dyn_proj): the
+                # compositions start near the identity, i.e. near MHA, and every weight has a gradient
+                torch.nn.init.zeros_(p)
 
     @property
     def shares_metric(self):
@@ -288,7 +445,7 @@ class GPT(nn.Module):
             # input u (its LayerNorm is recomputed inside the block: cheap next to the generator)
             m = compute_metric(self, self.h[0].ln_1(x), self.config, None if cache is None else cache["shared"])
         for l, block in enumerate(self.h):
-            x = block(x, m, None if cache is None else cache["layers"][l])
+            x, m = block(x, m, None if cache is None else cache["layers"][l])
         logits = F.linear(self.ln_f(x), self.wte.weight)              # lm_head tied to wte (B, T, V)
         loss = None
         if targets is not None:
@@ -300,7 +457,8 @@ class GPT(nn.Module):
     def new_cache(self):
         """An empty decoding state: the next position, and per layer a dict that fills with the
         keys 'k' and values 'v' (B, H, t, dh) and, for a layer owning a generator, the running
-        sum 'zsum' (B, D) and count 'n' of its context; 'shared' holds those of a shared one."""
+        sum 'zsum' (B, D) and count 'n' of its context; 'shared' holds those of a shared one.
+        DCMHA layers also keep their dynamic weights 'dyn' of every position."""
         return {"pos": 0, "layers": [{} for _ in self.h], "shared": {}}
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
@@ -320,16 +478,23 @@ class GPT(nn.Module):
     def flops_per_token(self):
         """Training FLOPs per token at context block_size: 6 per multiply-add of the forward pass
         (2 forward, 4 backward), counting the matmuls as nanoGPT does (PaLM, appendix B), plus
-        the metric generator and the metric application q_i = x_i m_i (Eq. 5).
-        gen_out="full" is counted as it runs, folded: the generator's last layer costs w*H*dh*dh
-        per token; folding the weights (D*D*w adds per pass, not per token) is left out."""
+        the metric generator and the metric application q_i = x_i m_i (Eq. 5), or the baselines'
+        head mixing. gen_out="full" is counted as it runs, folded: the generator's last layer
+        costs w*H*dh*dh per token; folding the weights (D*D*w adds per pass) is left out."""
         cfg = self.config
-        D, L, T, dh = cfg.n_embd, cfg.n_layer, cfg.block_size, cfg.n_embd // cfg.n_head
+        D, L, T, H, R = cfg.n_embd, cfg.n_layer, cfg.block_size, cfg.n_head, DCMHA_RANK
+        dh = D // H
         attention = 2 * T * D                                        # q k^T and A v over T positions
-        if cfg.attn == "mha":
-            per_layer = 4 * D * D + attention                        # c_attn, c_proj
-        else:
+        if cfg.attn == "damcha":
             per_layer = 2 * D * D + D * dh + attention               # c_v, c_proj, Eq. 5 (H*dh*dh)
+        else:
+            per_layer = 4 * D * D + attention                        # c_attn, c_proj
+        if cfg.attn == "tha":
+            per_layer += 2 * T * H * H                               # two H x H mixes at every (t, s)
+        if cfg.attn == "dcmha":
+            # the dynamic weights (dyn_fc, dyn_proj, dyn_gate), then at every (t, s) two
+            # compositions of 2 R H (query-wise) + 2 R H (key-wise) + 2 H (gates)
+            per_layer += 20 * H * D + 32 * R * H * H + 2 * (4 * R + 2) * H * T
         per_layer += 8 * D * D                                       # mlp
         generator = 0
         if cfg.attn == "damcha" and cfg.adaptive:
@@ -372,38 +537,56 @@ class GPT(nn.Module):
 
 def train_step_peak_memory(config, batch_size, device="cpu"):
     """Build the model and run one AdamW train step (forward, backward, update) in float32 at
-    T = block_size. Returns (peak before building the model, peak after the step) in MiB: the
-    process's peak RSS on the CPU (Linux and macOS), the peak allocated memory on CUDA. Both
-    peaks only ever grow, so call it in a fresh process."""
+    T = block_size. A step of a tiny model of the same kind runs first, so that the libraries'
+    one-off allocations (on the CPU some 170 MiB of MKL, oneDNN and autograd state) count as
+    'before'. Returns (peak before building the model, peak after the step) in MiB: the
+    process's peak RSS on the CPU (Linux and macOS), the peak allocated memory on CUDA. The
+    peak RSS only ever grows, so on the CPU call it in a fresh process."""
     def peak():
         if device == "cuda":
             return torch.cuda.max_memory_allocated() / 2**20
+        if os.path.exists("/proc/self/status"):
+            # Linux: the peak of this process image. getrusage's ru_maxrss would start from the
+            # size of the parent, which a subprocess inherits through fork and exec
+            with open("/proc/self/status") as status:
+                return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 2**10
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
 
+    def train_step(config, batch_size):
+        model = GPT(config).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        idx = torch.randint(config.vocab_size, (batch_size, config.block_size), device=device)
+        _, loss = model(idx, idx)
+        loss.backward()
+        optimizer.step()
+
     torch.manual_seed(0)
+    dh = config.n_embd // config.n_head
+    train_step(dataclasses.replace(config, n_layer=1, n_embd=config.n_head * min(dh, 16),
+                                   block_size=min(config.block_size, 16), gen_width=min(config.gen_width, 8)), 1)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     before = peak()
-    model = GPT(config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    idx = torch.randint(config.vocab_size, (batch_size, config.block_size), device=device)
-    _, loss = model(idx, idx)
-    loss.backward()
-    optimizer.step()
+    train_step(config, batch_size)
     return before, peak()
+
+
+def fresh_process_peak_memory(fields, batch_size=4, device="cpu"):
+    """train_step_peak_memory(GPTConfig(**fields), batch_size, device) run in a fresh Python
+    process, where both peaks start from nothing. Returns (before, peak) in MiB."""
+    code = (f"import torch, damcha_torch as d; torch.set_num_threads(1); "
+            f"print(*d.train_step_peak_memory(d.GPTConfig(**{fields!r}), {batch_size}, {device!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    return tuple(float(s) for s in out.stdout.split())
 
 
 def compare_peak_memory(batch_size=4, device="cpu", **fields):
     """Peak memory of a float32 train step with gen_out="full" and "folded", each measured in a
     fresh Python process. Returns {gen_out: (before, peak)} in MiB."""
-    result = {}
-    for gen_out in ("full", "folded"):
-        config = dict(fields, gen_out=gen_out)
-        code = (f"import torch, damcha_torch as d; torch.set_num_threads(1); "
-                f"print(*d.train_step_peak_memory(d.GPTConfig(**{config!r}), {batch_size}, {device!r}))")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-        result[gen_out] = tuple(float(s) for s in out.stdout.split())
-    return result
+    return {gen_out: fresh_process_peak_memory(dict(fields, gen_out=gen_out), batch_size, device)
+            for gen_out in ("full", "folded")}
 
 
 if __name__ == "__main__":

@@ -257,7 +257,8 @@ def test_generate_from_a_prompt_longer_than_block_size():
 
 @pytest.mark.parametrize("bad", [dict(n_head=3), dict(attn="linear"), dict(blocks="upper"),
                                  dict(gen_out="half"), dict(gen_depth=0), dict(gen_out="folded", blocks="diag"),
-                                 dict(kernel="triton"), dict(dropout=1.0)])
+                                 dict(kernel="cuda"), dict(kernel="triton", attn="mha"),
+                                 dict(kernel="triton", dropout=0.1), dict(dropout=1.0)])
 def test_config_rejects(bad):
     with pytest.raises(ValueError):
         GPTConfig(**dict(TINY, **bad))
