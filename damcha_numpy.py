@@ -47,13 +47,17 @@ class GPTConfig:
     dropout: float = 0.0     # NumPy supports 0 only
 
     def __post_init__(self):
+        sizes = dict(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
+                     n_head=self.n_head, n_embd=self.n_embd, gen_depth=self.gen_depth, gen_width=self.gen_width)
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, not {value}")
         checks = [
             (self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
             (self.attn in ("damcha", "mha"), f"attn must be 'damcha' or 'mha', not {self.attn!r}"),
             (self.blocks in ("all", "diag", "offdiag"), f"blocks must be 'all', 'diag' or 'offdiag', not {self.blocks!r}"),
             (self.gen_out in ("full", "folded"), f"gen_out must be 'full' or 'folded', not {self.gen_out!r}"),
             (self.gen_out == "full" or self.blocks == "all", "blocks other than 'all' need gen_out='full'"),
-            (self.gen_depth >= 1, f"gen_depth must be >= 1, not {self.gen_depth}"),
             (self.dropout == 0, "the NumPy model supports dropout=0 only"),
         ]
         for ok, message in checks:
@@ -631,10 +635,12 @@ def parse_args(argv, defaults):
 
 def main(argv):
     settings = {f.name: f.default for f in fields(GPTConfig)}
-    settings.update(n_layer=2, n_head=4, n_embd=64, block_size=64, gen_width=64,
-                    iters=1500, batch_size=16, lr=1e-2, warmup=100, eval_every=250, seed=0, start="ROMEO:",
+    settings.update(iters=1500, batch_size=16, lr=1e-2, warmup=100, eval_every=250, seed=0, start="ROMEO:",
                     data=str(Path(__file__).parent / "data" / "shakespeare" / "input.txt"))
     settings = parse_args(argv, settings)
+    for key in ("iters", "batch_size", "warmup", "eval_every"):
+        if settings[key] < 1:
+            raise SystemExit(f"--{key} must be at least 1, not {settings[key]}")
     if not Path(settings["data"]).is_file():
         raise SystemExit(f"--data={settings['data']}: no such file")
     data, vocab = load_corpus(settings["data"])
@@ -649,6 +655,9 @@ def main(argv):
         raise SystemExit(str(e)) from None
     n = int(0.9 * len(data))
     train, val = data[:n], data[n:]
+    if len(val) < config.block_size + 2:
+        raise SystemExit(f"--data={settings['data']}: its last 10% ({len(val)} characters) is shorter "
+                         f"than block_size + 2 ({config.block_size + 2}); use a longer file or a smaller block_size")
     rng = np.random.default_rng(settings["seed"])
     params = init_params(config, settings["seed"], dtype=np.float32)   # float32: twice as fast
     print(config)

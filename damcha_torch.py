@@ -79,13 +79,17 @@ class GPTConfig:
     kernel: str = "torch"    # DAMCHA attention: "torch" (einsum + SDPA) | "triton" (damcha_triton.py, fused)
 
     def __post_init__(self):
+        sizes = dict(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
+                     n_head=self.n_head, n_embd=self.n_embd, gen_depth=self.gen_depth, gen_width=self.gen_width)
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, not {value}")
         checks = [
             (self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
             (self.attn in ("damcha", "mha", "dcmha", "tha"), f"attn must be 'damcha', 'mha', 'dcmha' or 'tha', not {self.attn!r}"),
             (self.blocks in ("all", "diag", "offdiag"), f"blocks must be 'all', 'diag' or 'offdiag', not {self.blocks!r}"),
             (self.gen_out in ("full", "folded"), f"gen_out must be 'full' or 'folded', not {self.gen_out!r}"),
             (self.gen_out == "full" or self.blocks == "all", "blocks other than 'all' need gen_out='full'"),
-            (self.gen_depth >= 1, f"gen_depth must be >= 1, not {self.gen_depth}"),
             (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), not {self.dropout}"),
             (self.kernel in ("torch", "triton"), f"kernel must be 'torch' or 'triton', not {self.kernel!r}"),
             (self.kernel == "torch" or self.attn == "damcha", "kernel='triton' is for attn='damcha' only"),
@@ -590,11 +594,13 @@ def compare_peak_memory(batch_size=4, device="cpu", **fields):
 
 
 if __name__ == "__main__":
-    fields = dict(vocab_size=65, block_size=512, n_layer=4, n_head=8, n_embd=256, gen_width=128)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"B=4 {fields} on {device}, float32")
-    peaks = compare_peak_memory(4, device, **fields)
-    for gen_out, (before, peak) in peaks.items():
-        print(f"gen_out={gen_out:7s} peak {peak:8.1f} MiB (model and step: {peak - before:8.1f} MiB)")
-    full, folded = peaks["full"][1], peaks["folded"][1]
-    print(f"full / folded peak: {full / folded:.3f}")
+    for share in (True, False):
+        fields = dict(vocab_size=65, block_size=512, n_layer=4, n_head=8, n_embd=256, gen_width=128, share=share)
+        print(f"B=4 {fields} on {device}, float32")
+        peaks = compare_peak_memory(4, device, **fields)
+        for gen_out, (before, peak) in peaks.items():
+            print(f"  gen_out={gen_out:7s} peak {peak:8.1f} MiB (model and step: {peak - before:8.1f} MiB)")
+        (full_before, full), (folded_before, folded) = peaks["full"], peaks["folded"]
+        print(f"  full / folded peak: {full / folded:.3f} (model and step: "
+              f"{(full - full_before) / (folded - folded_before):.3f})")

@@ -32,6 +32,7 @@ import ast
 import dataclasses
 import difflib
 import hashlib
+import importlib.util
 import http.client
 import json
 import math
@@ -56,7 +57,7 @@ from damcha_torch import GPT, GPTConfig
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ---------------------------------------------------------------------------------------------
-# Defaults: a small DAMCHA that learns Shakespeare on two CPU cores in about five minutes.
+# Defaults: a small DAMCHA that learns Shakespeare in about two minutes on two idle CPU cores.
 DEFAULTS = dict(
     mode='train',                 # train | eval | sample | plot
     out_dir='out-shakespeare',    # ckpt.pt and logs; for plot, several folders joined by commas
@@ -199,6 +200,16 @@ def pick_device(name, local_rank):
     if not {'cpu': True, 'cuda': torch.cuda.is_available(), 'mps': torch.backends.mps.is_available()}[kind]:
         die(f"device={name}, but this machine has no {kind.upper()} device")
     return f'cuda:{local_rank}' if name == 'cuda' else name
+
+
+def check_kernel(kernel, device):
+    # the fused kernel runs on CUDA, or on the CPU in Triton's interpreter (as the tests run it)
+    if kernel != 'triton':
+        return
+    if importlib.util.find_spec('triton') is None:
+        die("kernel=triton needs the triton package (pip install triton); use --kernel=torch")
+    if not device.startswith('cuda') and os.environ.get('TRITON_INTERPRET') != '1':
+        die(f"kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 on a CPU), not {device}; use --kernel=torch")
 
 
 def autocast_for(device, dtype):
@@ -467,7 +478,8 @@ def restore(ckpt, optimizer, scaler, batches, rank, device):
     settings = [{k: g[k] for k in ('weight_decay', 'betas')} for g in optimizer.param_groups]
     try:
         optimizer.load_state_dict(ckpt['optimizer'])
-        scaler.load_state_dict(ckpt['scaler'])
+        if ckpt['scaler']:   # {} when the saved run had no loss scaling (anything but float16)
+            scaler.load_state_dict(ckpt['scaler'])
         batches.set_state(ckpt['rng']['batches'])
         if rank < len(ckpt['rng']['torch']):   # more processes than saved: the new ones keep their seed
             cpu_state, cuda_state = ckpt['rng']['torch'][rank]
@@ -564,6 +576,7 @@ def train(cfg, given):
         die(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple of "
             f"the {world} processes")
     device = pick_device(cfg['device'], local_rank)
+    check_kernel(model_args['kernel'], device)
     dtype, ctx = autocast_for(device, cfg['dtype'])
     if ddp:
         dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
@@ -727,6 +740,7 @@ def load_for_inference(cfg, given):
     ckpt = load_checkpoint(cfg['out_dir'])
     cfg, model_args = from_checkpoint(ckpt, cfg, given)
     device = pick_device(cfg['device'], 0)
+    check_kernel(model_args['kernel'], device)
     _, ctx = autocast_for(device, cfg['dtype'])
     model = build_model(model_args, ckpt).to(device)
     model.eval()

@@ -308,10 +308,14 @@ def test_main_trains_and_samples(tmp_path):
     assert run.stdout.split("-" * 60 + "\n")[1].startswith("ROMEO:")
 
 
-def test_main_rejects_bad_flags():
+def test_main_rejects_bad_flags(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"ROMEO: hi\n" * 3)
     for flag, message in [("--n_layre=2", "unknown argument"), ("--n_layer=two", "expects int"),
                           ("--n_embd=10", "divisible"),
-                          ("--start=ROMEO\u00e9", "not in the corpus"), ("--data=/nonexistent.txt", "no such file")]:
+                          ("--start=ROMEO\u00e9", "not in the corpus"), ("--data=/nonexistent.txt", "no such file"),
+                          ("--eval_every=0", "at least 1"), ("--n_head=0", "at least 1"),
+                          (f"--data={short}", "shorter than block_size")]:
         run = subprocess.run([sys.executable, "damcha_numpy.py", flag], capture_output=True, text=True,
                              cwd=dn.__file__.rsplit("/", 1)[0], timeout=60)
         assert run.returncode != 0 and message in run.stderr and "Traceback" not in run.stderr
