@@ -5,8 +5,11 @@ bench.py: what a DAMCHA training step costs next to MHA's, in time and in memory
     python bench.py --device=cpu              # also the T sweep and the DCMHA, THA baselines
     python bench.py --device=cuda             # on a GPU, in bf16 autocast, with MFU
 
-A training step is forward, backward and an AdamW update on random tokens, at the model size of
-train_char.py's defaults (4 layers, 4 heads, D = 128, T = 64, batch 16; --n_layer etc. change it).
+A training step is forward, backward and an AdamW update on random tokens. The model is
+train_char.py's default (4 layers, 4 heads, D = 128, T = 64, a shared folded generator of depth 2;
+--n_layer etc. change it), with three differences: batch 16 (train_char.py: 12), a vocabulary of
+65 (train_char.py: the dataset's, 80 for the bundled corpus), and the damcha row's generator width
+solved for equal parameters with MHA, w = 30 at these sizes (train_char.py: 64).
 The rows, one JSON object per line:
   mha, damcha            MHA and DAMCHA at equal parameter count: DAMCHA's generator width is
                          solved for (equal_params_width) so that the counts agree within 5%
@@ -14,8 +17,8 @@ The rows, one JSON object per line:
   damcha_unshared        a generator per layer (share=False), damcha's width
   damcha_static          a learned constant metric (adaptive=False)
   damcha_w{w}            the generator-width sweep
-  damcha_triton          with --device=cuda, when GPTConfig accepts kernel="triton" (else a row
-                         with the error)
+  damcha_triton          with --device=cuda: damcha with kernel="triton" (the fused kernel of
+                         damcha_triton.py); a row with the error instead if one step of it fails
   dcmha, tha             the baselines (not with --quick)
   mha_T{T}, damcha_T{T}  T = 256 .. 2048 at --sweep_batch sequences a step (not with --quick)
   damcha_parts           what costs what: the generator, the metric application q_i = x_i m_i and
@@ -23,11 +26,12 @@ The rows, one JSON object per line:
                          to MHA's q, k projections, which DAMCHA does without
   numpy_f64, torch_f64   damcha_numpy against damcha_torch, float64 forward and backward, at
                          damcha_numpy's demo size
-Every row has name, params (GPT.get_num_params), tokens_per_sec and peak_mb (null where not
-measured). The models of a group are timed alternately, one step each in turn, repeatedly, and a
-row reports the median step: these machines are shared, and bursts of load from other processes
-then fall on all models alike. Rows carry their ratios to MHA's: params_vs_mha, peak_vs_mha,
-and throughput_vs_mha, the median over the rounds of the ratio of the two steps within a round.
+Every row has name, params (GPT.get_num_params(), i.e. without the position embedding),
+tokens_per_sec and peak_mb (null where not measured). The models of a group are timed alternately,
+one step each in turn, repeatedly, and a row reports the median step: these machines are shared,
+and bursts of load from other processes then fall on all models alike. Rows carry their ratios to
+MHA's: params_vs_mha, peak_vs_mha, and throughput_vs_mha, the median over the rounds of the ratio
+of the two steps within a round.
 peak_mb is the memory of one float32 train step (damcha_torch.train_step_peak_memory): on the CPU
 the growth of the peak RSS of a fresh process over what the libraries take (rss_peak_mb is that
 process's whole peak), on CUDA the peak of allocated memory. A summary goes to stderr.
@@ -47,8 +51,9 @@ from damcha_torch import GPT, GPTConfig, MetricQuery, compute_metric, fresh_proc
 
 QUICK_WIDTHS, WIDTHS = (8, 64), (8, 16, 64, 128, 256)
 SWEEP_T = (256, 512, 1024, 2048)
-# damcha_numpy's demo run (python damcha_numpy.py): the NumPy-against-PyTorch comparison
-NUMPY_FIELDS = dict(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64, gen_width=64)
+# damcha_numpy's demo run (python damcha_numpy.py, the bundled corpus of 80 distinct bytes): the
+# NumPy-against-PyTorch comparison
+NUMPY_FIELDS = dict(vocab_size=80, block_size=64, n_layer=2, n_head=4, n_embd=64, gen_width=64, gen_out="full")
 NUMPY_BATCH = 16
 
 
@@ -82,14 +87,24 @@ def peak_memory(fields, batch_size, device):
     return peak - before, peak
 
 
-def time_alternately(steps, repeats, device):
-    """steps: {name: a function running one step}. Each runs twice to warm up, then `repeats`
-    rounds run every one once, in turn, the order reversed every other round so that none
-    always follows the same one. Returns {name: seconds of each timed step}."""
+def rel_err(a, b):
+    """max |a - b| / max |b|, in float64, of two tensors (any dtype, any device) or arrays; the
+    relative error of the tests and of bench_triton_gpu.py."""
+    a, b = (t.detach().double() if torch.is_tensor(t) else torch.tensor(np.asarray(t, dtype=np.float64))
+            for t in (a, b))
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def time_alternately(steps, repeats, device, warmup=2):
+    """steps: {name: a function running one step}. Each runs `warmup` times to warm up, then
+    `repeats` rounds run every one once, in turn, the order reversed every other round so that
+    none always follows the same one. Returns {name: seconds of each timed step}."""
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     for step in steps.values():
-        step()
-        step()
+        for _ in range(warmup):
+            step()
     times = {name: [] for name in steps}
     names = list(steps)
     for r in range(repeats):
@@ -221,8 +236,8 @@ def numpy_vs_torch(args):
 
 def triton_error(fields, device):
     """Why the Triton kernel cannot train the model GPTConfig(**fields, kernel="triton") here, or
-    None when one step runs: GPTConfig may not offer it (damcha_triton.py is optional), or the
-    kernel may refuse the configuration."""
+    None when one step runs: triton may not be installed (damcha_triton.py is optional), or the
+    kernel may refuse the configuration or fail at run time."""
     try:
         trainer(dict(fields, kernel="triton"), 1, device, torch.float32)[1]()
     except Exception as error:    # whatever the optional kernel raises, the other rows stand

@@ -19,14 +19,14 @@ Rows, in order:
   model   one training step (forward, backward, fused AdamW) of the GPT at B=8, T=1024, D=768,
           H=12, under bfloat16 autocast as train_char.py runs it: DAMCHA with kernel="torch" and
           kernel="triton" (per-token and static metric), and MHA with SDPA; step time, peak
-          memory, the loss, and ratios to DAMCHA with kernel="torch" and to MHA. The triton rows
-          are skipped, with a line that says so, while damcha_torch has no kernel="triton".
-Variants of one table are timed in turn within each repetition, so that clock and thermal drift
-fall on all of them alike.
+          memory, the loss, and ratios to DAMCHA with kernel="torch" and to MHA.
+Variants of one table are timed in turn within each repetition (bench.time_alternately), so that
+clock and thermal drift fall on all of them alike. The inputs are drawn on the CPU from a seeded
+generator, the same on every device. tests/test_triton.py imports make_inputs and torch_path from
+here; importing this module runs nothing.
 """
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -34,38 +34,31 @@ import sys
 import time
 
 import torch
-
-parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
-parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 20; smoke 2)")
-parser.add_argument("--n_layer", type=int, default=12, help="layers of the GPT in the model rows")
-args = parser.parse_args()
-# the interpreter must be chosen before damcha_triton defines its kernels, hence the late imports
-if args.smoke and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import torch.nn.functional as F
-import triton
 
+from bench import rel_err, time_alternately
 from damcha_torch import GPT, GPTConfig
-from damcha_triton import damcha_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not args.smoke:
-    sys.exit("no CUDA GPU: run with --smoke to check the script on the CPU")
-REPS = args.reps or (2 if args.smoke else 20)
-WARMUP = 1 if args.smoke else 3
-if args.smoke:
-    CHECK = dict(B=1, H=2, T=20, dh=16)
-    OP = dict(B=1, H=2, T=20, dh=16)
-    MODEL = dict(B=2, vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=32, gen_width=16)
-    DTYPES = [torch.float32]                        # the interpreter runs float32 only
-else:
-    CHECK = dict(B=2, H=12, T=1024, dh=64)
-    OP = dict(B=8, H=12, T=1024, dh=64)
-    MODEL = dict(B=8, vocab_size=65, block_size=1024, n_layer=args.n_layer, n_head=12, n_embd=768, gen_width=64)
-    DTYPES = [torch.float32, torch.bfloat16]
 METRICS = {"per_token": False, "static": True}
+
+
+def make_inputs(B, H, T, dh, static, seed=0, dtype=torch.float32, device=DEVICE):
+    """x, m, v as the model produces them: x and v are (B, T, H, dh) tensors seen as (B, H, T, dh);
+    m (B, T, H, dh, dh) or (H, dh, dh), scaled so that the scores are O(1). Plus an output
+    gradient dO (B, H, T, dh). Drawn on the CPU, so the same on every device; none requires grad."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, H, dh, generator=g).transpose(1, 2)
+    m = torch.randn(*((H,) if static else (B, T, H)), dh, dh, generator=g) / dh ** 0.5
+    v = torch.randn(B, T, H, dh, generator=g).transpose(1, 2)
+    do = torch.randn(B, H, T, dh, generator=g)
+    return [t.to(device=device, dtype=dtype) for t in (x, m, v, do)]
+
+
+def torch_path(x, m, v):
+    """damcha_torch's kernel="torch": q = x m (Eq. 5), then causal SDPA with keys x (Eqs. 5-7)."""
+    q = torch.einsum("bhtd,hde->bhte" if m.dim() == 3 else "bhtd,bthde->bhte", x, m)
+    return F.scaled_dot_product_attention(q, x, v, is_causal=True)
 
 
 def emit(**row):
@@ -77,29 +70,10 @@ def sync():
         torch.cuda.synchronize()
 
 
-def rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
-def inputs(B, H, T, dh, static, dtype, seed=0):
-    """x, m, v laid out as the model makes them ((B, T, H, dh) seen as (B, H, T, dh)), leaves that
-    require grad, and an output gradient dO."""
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    randn = lambda *shape: torch.randn(*shape, generator=g, device=DEVICE)
-    x = randn(B, T, H, dh).transpose(1, 2)
-    m = randn(*((H,) if static else (B, T, H)), dh, dh) / math.sqrt(dh)
-    v = randn(B, T, H, dh).transpose(1, 2)
-    do = randn(B, H, T, dh)
-    return [t.to(dtype).requires_grad_(t is not do) for t in (x, m, v, do)]
-
-
-def torch_path(x, m, v):
-    """damcha_torch's kernel="torch": q = x m (Eq. 5), then causal SDPA with keys x (Eqs. 5-7)."""
-    q = torch.einsum("bhtd,hde->bhte" if m.dim() == 3 else "bhtd,bthde->bhte", x, m)
-    return F.scaled_dot_product_attention(q, x, v, is_causal=True)
-
-
-IMPLS = {"torch": torch_path, "triton": damcha_attention}
+def grad_inputs(B, H, T, dh, static, dtype, seed=0):
+    """make_inputs on DEVICE, with x, m and v leaves that require grad."""
+    x, m, v, do = make_inputs(B, H, T, dh, static, seed=seed, dtype=dtype)
+    return [x.requires_grad_(), m.requires_grad_(), v.requires_grad_(), do]
 
 
 def forward_backward(op, x, m, v, do):
@@ -107,20 +81,10 @@ def forward_backward(op, x, m, v, do):
     return (o, *torch.autograd.grad(o, (x, m, v), do))
 
 
-def time_alternately(fns):
-    """{name: fn} -> {name: median ms}: each repetition runs every fn once, in turn."""
-    for _ in range(WARMUP):
-        for fn in fns.values():
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(REPS):
-        for name, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(1e3 * (time.perf_counter() - start))
-    return {name: statistics.median(t) for name, t in times.items()}
+def median_ms(fns, reps, warmup):
+    """{name: fn} -> {name: median ms}, timed by bench.time_alternately."""
+    times = time_alternately(fns, reps, DEVICE, warmup=warmup)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def peak_mib(fn):
@@ -140,37 +104,37 @@ def ratio(a, b):
     return None if a is None or b is None else round(a / b, 3)
 
 
-def checks():
+def checks(impls, shape, dtypes):
     names = ("o", "dx", "dm", "dv")
-    for dtype in DTYPES:
+    for dtype in dtypes:
         for metric, static in METRICS.items():
-            x, m, v, do = inputs(**CHECK, static=static, dtype=dtype, seed=1)
+            x, m, v, do = grad_inputs(**shape, static=static, dtype=dtype, seed=1)
             exact = forward_backward(torch_path, *(t.detach().double().requires_grad_(t.requires_grad)
                                                    for t in (x, m, v, do)))
-            got = {impl: forward_backward(op, x, m, v, do) for impl, op in IMPLS.items()}
+            got = {impl: forward_backward(op, x, m, v, do) for impl, op in impls.items()}
             err = {impl: {n: rel_err(a, b) for n, a, b in zip(names, res, exact)} for impl, res in got.items()}
             if dtype == torch.float32:
                 ok = all(err["triton"][n] < (1e-4 if n == "o" else 1e-3) for n in names)
             else:
                 ok = all(err["triton"][n] < 2 * err["torch"][n] + 1e-3 for n in names)
-            emit(kind="check", dtype=str(dtype).split(".")[1], metric=metric, **CHECK, ok=ok,
+            emit(kind="check", dtype=str(dtype).split(".")[1], metric=metric, **shape, ok=ok,
                  err_triton=err["triton"], err_torch=err["torch"],
                  triton_vs_torch={n: rel_err(a, b) for n, a, b in zip(names, got["triton"], got["torch"])})
             del exact, got
 
 
-def op_rows():
-    for dtype in DTYPES:
+def op_rows(impls, shape, dtypes, reps, warmup):
+    for dtype in dtypes:
         for metric, static in METRICS.items():
-            x, m, v, do = inputs(**OP, static=static, dtype=dtype)
-            fwd = {impl: (lambda op=op: op(x, m, v)) for impl, op in IMPLS.items()}
-            fwd_bwd = {impl: (lambda op=op: forward_backward(op, x, m, v, do)) for impl, op in IMPLS.items()}
+            x, m, v, do = grad_inputs(**shape, static=static, dtype=dtype)
+            fwd = {impl: (lambda op=op: op(x, m, v)) for impl, op in impls.items()}
+            fwd_bwd = {impl: (lambda op=op: forward_backward(op, x, m, v, do)) for impl, op in impls.items()}
             with torch.no_grad():
-                fwd_ms = time_alternately(fwd)
-            fwd_bwd_ms = time_alternately(fwd_bwd)
+                fwd_ms = median_ms(fwd, reps, warmup)
+            fwd_bwd_ms = median_ms(fwd_bwd, reps, warmup)
             peak = {impl: peak_mib(fn) for impl, fn in fwd_bwd.items()}
-            for impl in IMPLS:
-                emit(kind="op", impl=impl, dtype=str(dtype).split(".")[1], metric=metric, **OP,
+            for impl in impls:
+                emit(kind="op", impl=impl, dtype=str(dtype).split(".")[1], metric=metric, **shape,
                      fwd_ms=round(fwd_ms[impl], 3), fwd_bwd_ms=round(fwd_bwd_ms[impl], 3),
                      peak_mib=None if peak[impl] is None else round(peak[impl], 1),
                      fwd_ratio_vs_torch=ratio(fwd_ms[impl], fwd_ms["torch"]),
@@ -179,26 +143,14 @@ def op_rows():
             del x, m, v, do
 
 
-def triton_kernel_available():
-    try:
-        GPTConfig(kernel="triton")
-        return True
-    except (TypeError, ValueError):
-        return False
-
-
-def model_rows():
-    fields = {k: v for k, v in MODEL.items() if k != "B"}
+def model_rows(model_shape, reps, warmup):
+    fields = {k: v for k, v in model_shape.items() if k != "B"}
     variants = {"mha": dict(attn="mha"), "damcha/torch": dict(kernel="torch"),
-                "damcha_static/torch": dict(kernel="torch", adaptive=False)}
-    if triton_kernel_available():
-        variants["damcha/triton"] = dict(kernel="triton")
-        variants["damcha_static/triton"] = dict(kernel="triton", adaptive=False)
-    else:
-        emit(kind="model", skipped="damcha_torch.GPTConfig does not accept kernel='triton' yet: "
-                                   "no triton rows for the whole model")
+                "damcha_static/torch": dict(kernel="torch", adaptive=False),
+                "damcha/triton": dict(kernel="triton"),
+                "damcha_static/triton": dict(kernel="triton", adaptive=False)}
     torch.manual_seed(0)
-    idx = torch.randint(fields["vocab_size"], (MODEL["B"], fields["block_size"]), device=DEVICE)
+    idx = torch.randint(fields["vocab_size"], (model_shape["B"], fields["block_size"]), device=DEVICE)
     autocast = torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda")
     steps, losses = {}, {}
     for name, variant in variants.items():
@@ -216,11 +168,11 @@ def model_rows():
                 losses[name] = loss.item()         # the first step's: before any update
 
         steps[name] = step
-    step_ms = time_alternately(steps)
+    step_ms = median_ms(steps, reps, warmup)
     peak = {name: peak_mib(step) for name, step in steps.items()}
     total = torch.cuda.max_memory_allocated() / 2**20 if DEVICE == "cuda" else None
     for name in variants:
-        emit(kind="model", name=name, **MODEL, step_ms=round(step_ms[name], 2),
+        emit(kind="model", name=name, **model_shape, step_ms=round(step_ms[name], 2),
              step_peak_mib=None if peak[name] is None else round(peak[name], 1), loss=round(losses[name], 5),
              step_ratio_vs_damcha_torch=ratio(step_ms[name], step_ms["damcha/torch"]),
              step_ratio_vs_mha=ratio(step_ms[name], step_ms["mha"]),
@@ -229,12 +181,43 @@ def model_rows():
     emit(kind="model", all_models_peak_mib=total)
 
 
-if __name__ == "__main__":
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 20; smoke 2)")
+    parser.add_argument("--n_layer", type=int, default=12, help="layers of the GPT in the model rows")
+    args = parser.parse_args(argv)
+    if DEVICE == "cpu" and not args.smoke:
+        sys.exit("no CUDA GPU: run with --smoke to check the script on the CPU")
+    # the interpreter must be chosen before damcha_triton defines its kernels, hence the late imports
+    if args.smoke and DEVICE == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton
+    from damcha_triton import damcha_attention
+
+    reps = args.reps or (2 if args.smoke else 20)
+    warmup = 1 if args.smoke else 3
+    if args.smoke:
+        check = dict(B=1, H=2, T=20, dh=16)
+        op = dict(B=1, H=2, T=20, dh=16)
+        model = dict(B=2, vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=32, gen_width=16)
+        dtypes = [torch.float32]                        # the interpreter runs float32 only
+    else:
+        check = dict(B=2, H=12, T=1024, dh=64)
+        op = dict(B=8, H=12, T=1024, dh=64)
+        model = dict(B=8, vocab_size=65, block_size=1024, n_layer=args.n_layer, n_head=12, n_embd=768, gen_width=64)
+        dtypes = [torch.float32, torch.bfloat16]
+    impls = {"torch": torch_path, "triton": damcha_attention}
+
     t0 = time.time()
     emit(kind="setup", device=torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor() or "cpu",
-         smoke=args.smoke, torch=torch.__version__, triton=triton.__version__, reps=REPS,
+         smoke=args.smoke, torch=torch.__version__, triton=triton.__version__, reps=reps,
          allow_tf32=torch.backends.cuda.matmul.allow_tf32)
-    checks()
-    op_rows()
-    model_rows()
+    checks(impls, check, dtypes)
+    op_rows(impls, op, dtypes, reps, warmup)
+    model_rows(model, reps, warmup)
     emit(kind="done", wall_s=round(time.time() - t0, 1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -672,8 +672,12 @@ def train(cfg, given):
                 states = rng_states(ddp)
                 if master:
                     losses = estimate_loss(fast_model, components, cfg, device, ctx)
-                    if not math.isfinite(losses['val_loss']):
-                        stop('val', losses['val_loss'], iter_num)
+                val_loss = torch.tensor(losses['val_loss'] if master else 0.0, device=device)
+                if ddp:
+                    dist.broadcast(val_loss, 0)   # only rank 0 evaluates, but every process must stop
+                if not math.isfinite(val_loss.item()):
+                    stop('val', val_loss.item(), iter_num)
+                if master:
                     tokens_per_sec = since_eval[0] * tokens_per_iter / since_eval[1] if since_eval[0] else 0.0
                     entry = dict(iter=iter_num, tokens=tokens, time=round(elapsed + time.time() - t_run, 3),
                                  lr=lr, tokens_per_sec=tokens_per_sec, **losses)

@@ -16,14 +16,11 @@ import itertools
 import pytest
 import torch
 
+from common import rel_err
 from damcha_torch import DCMHA_RANK, GPT, GPTConfig, compose
 
 TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=3, n_embd=12)
 BASELINES = ["dcmha", "tha"]
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def tokens(config, shape, seed):

@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import damcha_numpy
+from common import rel_err
 from damcha_torch import GPT, GPTConfig, MetricGenerator, rowsum
 from spec_reference import reference_forward, reference_random_params
 
@@ -46,11 +47,6 @@ KEY_VARIANTS = [dict(attn="mha"), dict(share=True), dict(share=False), dict(adap
                 dict(adaptive=False, share=False, gen_out="folded"), dict(gen_out="folded", bias=False),
                 dict(share=False, blocks="offdiag", gen_depth=3)]
 KEY_IDS = ["-".join(f"{k}={v}" for k, v in variant.items()) for variant in KEY_VARIANTS]
-
-
-def rel_err(a, b):
-    a, b = (np.asarray(t.detach().cpu() if torch.is_tensor(t) else t, dtype=np.float64) for t in (a, b))
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def model_from(config, params):

@@ -44,13 +44,10 @@ def fails(*argv):
 
 
 def cli(*args, timeout=120):
+    # without TRITON_INTERPRET, which tests/test_triton.py may have set in this process
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     return subprocess.run([sys.executable, 'train_char.py', *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
+                          text=True, timeout=timeout, env=env)
 
 
 def digest(path):
@@ -146,7 +143,8 @@ def test_bad_settings_are_one_line_errors(tmp_path):
 def test_command_line_errors_have_no_traceback():
     for args, words in [(['--no_such_flag=1'], 'unknown setting'), (['--max_iters=ten'], 'expected int'),
                         (['--dataset=no/such/file.txt'], 'neither'),
-                        (['--n_embd=30', '--n_head=4'], 'divisible')]:
+                        (['--n_embd=30', '--n_head=4'], 'divisible'), (['--n_head=0'], 'at least 1'),
+                        (['--kernel=triton', '--device=cpu'], 'kernel=triton needs')]:
         result = cli(*args, '--out_dir=/nonexistent/never-written')
         assert result.returncode != 0 and words in result.stderr, result.stderr
         assert result.stderr.strip().count('\n') == 0 and 'Traceback' not in result.stderr, result.stderr
@@ -248,15 +246,15 @@ def test_command_line_train_resume_sample(tmp_path, data_dir):
     common = [*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--learning_rate=1e-2']
     result = cli(*common, '--max_iters=60', '--eval_interval=30')
     assert result.returncode == 0, result.stderr
-    val = [e['val_loss'] for e in read_jsonl(out / 'log.jsonl')]
+    val = [e['val_loss'] for e in tc.read_jsonl(out / 'log.jsonl')]
     assert len(val) == 3 and val[0] > val[1] > val[2], val
     assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 60
     assert 'sample:' in result.stdout
 
     result = cli(*common, '--init_from=resume', '--max_iters=90')
     assert result.returncode == 0, result.stderr
-    assert [e['iter'] for e in read_jsonl(out / 'log.jsonl')] == [0, 30, 60, 90]
-    assert [e['iter'] for e in read_jsonl(out / 'train_log.jsonl')] == list(range(90))
+    assert [e['iter'] for e in tc.read_jsonl(out / 'log.jsonl')] == [0, 30, 60, 90]
+    assert [e['iter'] for e in tc.read_jsonl(out / 'train_log.jsonl')] == list(range(90))
 
     result = cli('--mode=sample', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=40', '--num_samples=2')
     assert result.returncode == 0, result.stderr
@@ -273,11 +271,11 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_dir):
         with open(tmp_path / 'b' / log, 'a') as f:
             f.write(json.dumps(dict(iter=5, loss=0.0, val_loss=0.0)) + '\n')
     run(f'--out_dir={tmp_path / "b"}', '--init_from=resume', '--max_iters=8')
-    a, b = (read_jsonl(tmp_path / d / 'train_log.jsonl') for d in 'ab')
+    a, b = (tc.read_jsonl(tmp_path / d / 'train_log.jsonl') for d in 'ab')
     assert [e['iter'] for e in b] == list(range(8))
     assert a == b                                    # every loss and learning rate, bit for bit
-    assert [e['val_loss'] for e in read_jsonl(tmp_path / 'a' / 'log.jsonl')] == \
-           [e['val_loss'] for e in read_jsonl(tmp_path / 'b' / 'log.jsonl')]
+    assert [e['val_loss'] for e in tc.read_jsonl(tmp_path / 'a' / 'log.jsonl')] == \
+           [e['val_loss'] for e in tc.read_jsonl(tmp_path / 'b' / 'log.jsonl')]
 
 
 def test_ddp_on_two_cpu_processes_matches_one_process(tmp_path, data_dir):
@@ -289,7 +287,7 @@ def test_ddp_on_two_cpu_processes_matches_one_process(tmp_path, data_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count('sample:') == 1      # only rank 0 logs and samples
     run(*common, f'--out_dir={tmp_path / "one"}')
-    ddp, one = (read_jsonl(tmp_path / d / 'train_log.jsonl') for d in ('ddp', 'one'))
+    ddp, one = (tc.read_jsonl(tmp_path / d / 'train_log.jsonl') for d in ('ddp', 'one'))
     assert [e['iter'] for e in ddp] == [0, 1, 2, 3]
     np.testing.assert_allclose([e['loss'] for e in ddp], [e['loss'] for e in one], rtol=1e-4)
     ckpt = torch.load(tmp_path / 'ddp' / 'ckpt.pt', weights_only=True)
@@ -333,7 +331,7 @@ def test_mix_training_and_eval_report_both_corpora(corpora, capsys):
     data, _ = corpora
     out = data / 'out'
     run(*TINY, '--dataset=mix', f'--data_dir={data}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=2')
-    entry = read_jsonl(out / 'log.jsonl')[-1]
+    entry = tc.read_jsonl(out / 'log.jsonl')[-1]
     assert entry['val_loss'] == pytest.approx((entry['val_loss_enwik8'] + entry['val_loss_text8']) / 2)
     assert {'val_bpc_enwik8', 'val_bpc_text8', 'train_loss_enwik8', 'train_loss_text8'} <= set(entry)
     capsys.readouterr()

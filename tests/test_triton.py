@@ -1,20 +1,22 @@
 """
 tests/test_triton.py: checks the Triton DAMCHA attention kernels (damcha_triton.py).
 
-Run: python -m pytest -q tests/test_triton.py   (about 25 seconds on two CPU cores, 35 once the
-GPT takes kernel="triton"; skipped when triton is not installed)
+Run: python -m pytest -q tests/test_triton.py   (about 30 seconds on two CPU cores; skipped when
+triton is not installed)
 
 Without a GPU the kernels run on Triton's interpreter, in float32 on the CPU, which this module
 selects (TRITON_INTERPRET=1) before triton is imported; that setting then holds for the whole
 pytest process. There, at small sizes with T not a multiple of the block: the output and the
 gradients for x, m and v against a float64 autograd reference (einsum + SDPA) and against the
 chain of damcha_numpy's attention pieces, for per-token and static metrics and head sizes that
-need padding; then the edge cases of T, input layouts, argument checks, and, once damcha_torch
-offers GPTConfig(kernel="triton"), the whole GPT against kernel="torch". With a GPU the
-same tests run on it, plus: bfloat16 and float16 against float64 (no worse than torch's own
-16-bit path), T = 4096 in float32, and the forward's peak memory. Errors are relative to the
-largest entry: max |a - b| / max |b|.
+need padding; then the edge cases of T, input layouts, argument checks, and the whole GPT with
+GPTConfig(kernel="triton") against kernel="torch", the spec's forward and damcha_numpy's
+gradients. With a GPU the same tests run on it, plus: bfloat16 and float16 against float64 (no
+worse than torch's own 16-bit path), T = 4096 in float32, and the forward's peak memory. Errors
+are relative to the largest entry: max |a - b| / max |b| (rel_err). The inputs (make_inputs) and
+the torch path (torch_path) come from bench_triton_gpu.py, which checks the same on a GPU.
 """
+import dataclasses
 import os
 
 import pytest
@@ -25,11 +27,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-import torch.nn.functional as F
-
 import damcha_numpy
 import damcha_triton
+from bench_triton_gpu import make_inputs, torch_path
+from common import rel_err
+from damcha_torch import GPT, GPTConfig
 from damcha_triton import damcha_attention
+from spec_reference import reference_forward, reference_random_params
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not damcha_triton.INTERPRETED:
@@ -37,29 +41,6 @@ if DEVICE == "cpu" and not damcha_triton.INTERPRETED:
                 allow_module_level=True)
 requires_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 FWD_TOL, GRAD_TOL = 1e-4, 1e-3                       # float32 against float64
-
-
-def rel_err(a, b):
-    a, b = (t.detach().double().cpu() for t in (a, b))
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def make_inputs(B, H, T, dh, static, seed=0, dtype=torch.float32, device=DEVICE):
-    """x, m, v as the model produces them: x and v are (B, T, H, dh) tensors seen as (B, H, T, dh);
-    m (B, T, H, dh, dh) or (H, dh, dh), scaled so that the scores are O(1). Plus an output
-    gradient dO (B, H, T, dh)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, T, H, dh, generator=g).transpose(1, 2)
-    m = torch.randn(*((H,) if static else (B, T, H)), dh, dh, generator=g) / dh ** 0.5
-    v = torch.randn(B, T, H, dh, generator=g).transpose(1, 2)
-    do = torch.randn(B, H, T, dh, generator=g)
-    return [t.to(device=device, dtype=dtype) for t in (x, m, v, do)]
-
-
-def torch_reference(x, m, v):
-    """The torch path of damcha_torch: q = x m (Eq. 5), then causal SDPA with keys x (Eqs. 5-7)."""
-    q = torch.einsum("bhtd,hde->bhte" if m.dim() == 3 else "bhtd,bthde->bhte", x, m)
-    return F.scaled_dot_product_attention(q, x, v, is_causal=True)
 
 
 def output_and_grads(op, x, m, v, do):
@@ -72,7 +53,7 @@ def output_and_grads(op, x, m, v, do):
 
 def check_against_float64(x, m, v, do, block=16):
     got = output_and_grads(lambda *a: damcha_attention(*a, block=block), x, m, v, do)
-    want = output_and_grads(torch_reference, *(t.double() for t in (x, m, v, do)))
+    want = output_and_grads(torch_path, *(t.double() for t in (x, m, v, do)))
     for name, a, b, tol in zip(("o", "dx", "dm", "dv"), got, want, (FWD_TOL, GRAD_TOL, GRAD_TOL, GRAD_TOL)):
         assert a.dtype == x.dtype and a.shape == b.shape, name
         assert rel_err(a, b) < tol, f"{name}: {rel_err(a, b):.2e}"
@@ -83,7 +64,7 @@ def check_against_float64(x, m, v, do, block=16):
 
 @pytest.mark.parametrize("static", [False, True], ids=["per_token", "static"])
 @pytest.mark.parametrize("dh", [8, 12, 16])          # 8, 12: padded to the kernels' DH = 16
-def test_against_torch_reference(static, dh):
+def test_against_torch_path(static, dh):
     # T = 37 with blocks of 16: two full blocks and a partial one
     check_against_float64(*make_inputs(2, 2, 37, dh, static))
 
@@ -166,26 +147,14 @@ def test_argument_checks():
             damcha_attention(x.bfloat16(), m.bfloat16(), v.bfloat16())
 
 
-def gpt_config_with_triton(**fields):
-    """A GPTConfig with kernel="triton", or a skip while damcha_torch does not offer it."""
-    from damcha_torch import GPTConfig
-    try:
-        return GPTConfig(kernel="triton", **fields)
-    except (TypeError, ValueError) as error:
-        pytest.skip(f"damcha_torch.GPTConfig does not take kernel='triton' yet: {error}")
-
-
 @pytest.mark.parametrize("adaptive", [True, False], ids=["per_token", "static"])
 def test_gpt_kernel_triton_matches_torch(adaptive):
     """The whole GPT, kernel="triton" against kernel="torch" with the same weights, float32:
     logits, loss and every parameter's gradient."""
-    from dataclasses import replace
-
-    from damcha_torch import GPT
-    config = gpt_config_with_triton(vocab_size=11, block_size=20, n_layer=2, n_head=2, n_embd=32,
-                                    gen_width=16, adaptive=adaptive)
+    config = GPTConfig(kernel="triton", vocab_size=11, block_size=20, n_layer=2, n_head=2, n_embd=32,
+                       gen_width=16, adaptive=adaptive)
     torch.manual_seed(0)
-    models = {kernel: GPT(replace(config, kernel=kernel)).to(DEVICE) for kernel in ("torch", "triton")}
+    models = {kernel: GPT(dataclasses.replace(config, kernel=kernel)).to(DEVICE) for kernel in ("torch", "triton")}
     models["triton"].load_state_dict(models["torch"].state_dict())
     idx = torch.randint(config.vocab_size, (2, 20), device=DEVICE)
     results = {}
@@ -205,10 +174,8 @@ def test_gpt_kernel_triton_matches_spec_and_numpy(variant):
     """The issue's bar: GPT(kernel="triton") in float32 against the spec's independent float64
     forward (logits and loss to 1e-4) and damcha_numpy's float64 gradients (to 1e-3), with T = 37
     longer than the kernels' float32 block of 32, and weights moved in through the state_dict."""
-    from damcha_torch import GPT
-    from spec_reference import reference_forward, reference_random_params
-    config = gpt_config_with_triton(vocab_size=11, block_size=40, n_layer=2, n_head=2, n_embd=32,
-                                    gen_width=16, **variant)
+    config = GPTConfig(kernel="triton", vocab_size=11, block_size=40, n_layer=2, n_head=2, n_embd=32,
+                       gen_width=16, **variant)
     np_config = damcha_numpy.GPTConfig(**{k: v for k, v in vars(config).items() if k != "kernel"})
     params = {k: v * 0.5 for k, v in reference_random_params(np_config, seed=0).items()}
     model = GPT(config).to(DEVICE)
@@ -236,8 +203,8 @@ def test_half_precision_cuda(dtype, static):
     torch's own path (einsum + SDPA) on the same 16-bit inputs, plus 1e-3, and under 5e-2."""
     x, m, v, do = make_inputs(2, 4, 1000, 64, static, dtype=dtype)
     got = output_and_grads(damcha_attention, x, m, v, do)
-    torch_16 = output_and_grads(torch_reference, x, m, v, do)
-    exact = output_and_grads(torch_reference, *(t.double() for t in (x, m, v, do)))
+    torch_16 = output_and_grads(torch_path, x, m, v, do)
+    exact = output_and_grads(torch_path, *(t.double() for t in (x, m, v, do)))
     for name, a, t, b in zip(("o", "dx", "dm", "dv"), got, torch_16, exact):
         assert a.dtype == dtype, name
         err, err_torch = rel_err(a, b), rel_err(t, b)
