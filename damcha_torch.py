@@ -133,6 +133,11 @@ def prefix_mean(z, state=None):
     return total / count.view(1, -1, 1)
 
 
+def generator_sizes(config, out):
+    """The widths of f's layers, input to output: D -> w -> ... -> w -> out (P linear layers)."""
+    return [config.n_embd] + [config.gen_width] * (config.gen_depth - 1) + [out]
+
+
 class MetricGenerator(nn.ModuleList):
     """f of Eq. 3: P linear layers D -> w -> ... -> w -> out with GELU between them. The layers
     are the list's items, so their keys are gen.{p}.weight and gen.{p}.bias, as in the spec."""
@@ -140,7 +145,7 @@ class MetricGenerator(nn.ModuleList):
     def __init__(self, config):
         D, H = config.n_embd, config.n_head
         out = D * D if config.gen_out == "full" else H * (D // H) ** 2
-        sizes = [D] + [config.gen_width] * (config.gen_depth - 1) + [out]
+        sizes = generator_sizes(config, out)
         super().__init__(nn.Linear(n_in, n_out, bias=config.bias) for n_in, n_out in zip(sizes, sizes[1:]))
         self.config = config
 
@@ -502,7 +507,7 @@ class GPT(nn.Module):
         per_layer += 8 * D * D                                       # mlp
         generator = 0
         if cfg.attn == "damcha" and cfg.adaptive:
-            sizes = [D] + [cfg.gen_width] * (cfg.gen_depth - 1) + [D * dh]
+            sizes = generator_sizes(cfg, D * dh)                     # the last layer as it runs: folded
             generator = sum(a * b for a, b in zip(sizes, sizes[1:])) * (1 if cfg.share else L)
         return 6 * (L * per_layer + generator + D * cfg.vocab_size)  # + tied lm_head
 
