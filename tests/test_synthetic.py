@@ -1,0 +1,123 @@
+"""synthetic.py: the synthetic tasks have the structure its docstring states, the models are at equal
+parameter count, a tiny training run gives finite numbers, and the committed sweep is complete."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import synthetic as syn
+
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "synthetic"
+
+
+def swap_subspace(a, b, h, d_e):
+    """a with subspace h of every token taken from b."""
+    out = a.clone()
+    out[..., h * d_e:(h + 1) * d_e] = b[..., h * d_e:(h + 1) * d_e]
+    return out
+
+
+def targets(x, teacher, lam):
+    return syn.combine(syn.teacher_terms(x.double(), {k: v.double() for k, v in teacher.items()}), lam)[:, 0]
+
+
+@pytest.mark.parametrize("lam", [0.0, 1.0])
+def test_lambda_zero_has_no_cross_subspace_terms(lam):
+    # y is additive over the subspaces, y = sum_h f_h(x^(h)), exactly when swapping one subspace
+    # between two samples leaves y(a) + y(b) unchanged: true at lambda = 0, false with cross terms
+    d_e = 4
+    teacher = syn.make_teacher(d_e, 1, seed=1)
+    g = torch.Generator().manual_seed(0)
+    a, b = syn.sample_tokens(64, d_e, g), syn.sample_tokens(64, d_e, g)
+    worst = 0.0
+    for h in range(syn.H):
+        before = targets(a, teacher, lam) + targets(b, teacher, lam)
+        after = targets(swap_subspace(a, b, h, d_e), teacher, lam) + targets(swap_subspace(b, a, h, d_e), teacher, lam)
+        worst = max(worst, (before - after).abs().max().item())
+    if lam == 0.0:
+        assert worst < 1e-10
+    else:
+        assert worst > 1e-2
+
+
+def test_within_terms_see_their_own_subspace_only():
+    d_e = 4
+    teacher = syn.make_teacher(d_e, 2, seed=2)
+    g = torch.Generator().manual_seed(1)
+    a, b = syn.sample_tokens(32, d_e, g), syn.sample_tokens(32, d_e, g)
+    terms = syn.teacher_terms(a, teacher)                              # (N, 2, H, H)
+    for h in range(syn.H):
+        moved = syn.teacher_terms(swap_subspace(a, b, h, d_e), teacher)
+        for k in range(syn.H):
+            # term_kk reads subspace k only; term_kg (g != k) reads k (query) and g (keys, values)
+            same = torch.allclose(moved[:, :, k, k], terms[:, :, k, k], atol=1e-6)
+            assert same == (k != h)
+
+
+def test_data_shapes_and_labels():
+    x_tr, y_tr, x_te, y_te = syn.regression_data(0.6, d_e=4, seed=0, n_train=512, n_test=128)
+    assert x_tr.shape == (512, syn.T, 16) and y_tr.shape == (512,) and y_te.shape == (128,)
+    assert abs(y_tr.mean().item()) < 1e-5 and abs(y_tr.std().item() - 1) < 1e-5    # standardised
+    x_tr, c_tr, _, _ = syn.classification_data(8, seed=0, n_train=2048, n_test=16)
+    assert x_tr.shape == (2048, syn.T, 32)
+    counts = torch.bincount(c_tr, minlength=syn.K)
+    assert len(counts) == syn.K and counts.min() > 2048 / syn.K / 3     # every class occurs, none rare
+
+
+@pytest.mark.parametrize("d_e", syn.DIMS)
+def test_equal_parameter_count(d_e):
+    D = syn.H * d_e
+    for n_out in (1, syn.K):
+        mha = syn.num_params(syn.SetModel(syn.model_config("mha", D), n_out))
+        damcha = syn.num_params(syn.SetModel(syn.model_config("damcha", D), n_out))
+        assert abs(damcha / mha - 1) < 0.05, (d_e, n_out, mha, damcha)
+
+
+def test_prediction_is_read_at_the_last_position():
+    torch.manual_seed(0)
+    model = syn.SetModel(syn.model_config("damcha", 16), 1)
+    with torch.no_grad():
+        for p in model.parameters():                                     # away from the near-zero init
+            p.normal_(0.0, 0.3)
+    x = torch.randn(2, syn.T, 16)
+    y = model(x)
+    x2 = x.clone()
+    x2[:, -1] += torch.randn(16)          # only the last token changes
+    assert y.shape == (2, 1) and (model(x2) - y).abs().min() > 1e-4
+    x3 = x.clone()
+    x3[:, 0] += torch.randn(16)           # the first token, seen by the last
+    assert (model(x3) - y).abs().min() > 1e-4
+
+
+def test_tiny_run_is_finite():
+    torch.set_num_threads(1)
+    settings = dict(steps=5, batch=16, lr=3e-3, n_layer=1)
+    reg = syn.regression_data(1.0, d_e=4, seed=0, n_train=256, n_test=64)
+    cls = syn.classification_data(4, seed=0, n_train=256, n_test=64)
+    rows = []
+    for attn in ("mha", "damcha"):
+        r = syn.train(attn, reg, "regression", 0, **settings)
+        assert math.isfinite(r["test_mse"]) and math.isfinite(r["train_loss"])
+        rows.append(dict(task="regression", x=1.0, seed=0, model=attn, **r))
+        c = syn.train(attn, cls, "classification", 0, **settings)
+        assert math.isfinite(c["test_loss"]) and 0.0 <= c["test_acc"] <= 1.0
+        rows.append(dict(task="classification", x=4, seed=0, model=attn, **c))
+    assert abs(rows[2]["params"] / rows[0]["params"] - 1) < 0.05
+    summary = syn.summarize(rows)
+    assert {p["task"] for p in summary} == {"regression", "classification"}
+    assert all(math.isfinite(p["gain_mean"]) for p in summary)
+
+
+def test_committed_sweep_is_complete():
+    summary = json.loads((RESULTS / "summary.json").read_text())
+    points = summary["points"]
+    reg = {p["x"]: p for p in points if p["task"] == "regression"}
+    cls = {p["x"]: p for p in points if p["task"] == "classification"}
+    assert sorted(reg) == list(syn.LAMBDAS) and sorted(cls) == list(syn.DIMS)
+    for p in points:
+        assert p["seeds"] >= 3
+        assert abs(p["params_damcha"] / p["params_mha"] - 1) < 0.05
+        assert all(math.isfinite(p[k]) for k in ("mha_mean", "damcha_mean", "gain_mean", "gain_std"))
+    assert (RESULTS / "runs.csv").exists()
