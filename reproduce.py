@@ -1,0 +1,188 @@
+"""
+reproduce.py: the paper's character-level comparison (issue 7), MHA against DCMHA, DAMCHA and
+DAMCHA's ablations at equal parameter count, several seeds each, scored on the full splits.
+
+    python reproduce.py                           # bundled Shakespeare, 5 variants x 3 seeds, on the CPU
+    python reproduce.py --seeds=5 --variants=mha,damcha --max_iters=4000
+    python reproduce.py --dataset=text8 --device=cuda      # enwik8, text8, mix: for a GPU
+    python reproduce.py --n_layer=2 --batch_size=8         # any other --key=value goes to train_char.py
+
+Variants (every run is `python train_char.py ...` in a subprocess, then `--mode=eval` on its ckpt):
+    mha              attn=mha, the baseline whose parameter count the others match
+    dcmha            attn=dcmha (Xiao et al. 2024); no width to trade, so its count is what it is
+    damcha           the shared folded generator, its width solved by bench.equal_params_width
+    damcha_static    adaptive=False, a learned constant metric: no generator, so fewer parameters
+    damcha_unshared  share=False, a generator per layer, its width solved likewise
+Counts are GPT.get_num_params() (bench.count_params); summary.md flags each variant that is not
+within 5% of MHA's count rather than hiding it.
+
+Model and schedule: on shakespeare, train_char.py's defaults (4 layers, 4 heads, D = 128, T = 64,
+batch 12) for 10,000 iterations (7.7M characters, ~5 passes over the corpus), lr decayed to the end.
+Measured on 2 idle CPU cores, ms per iteration: mha 38, damcha_static 35, damcha 58,
+damcha_unshared 65, dcmha 80; so a run takes 6 (mha) to 13 (dcmha) minutes, DAMCHA's about 10,
+plus ~10 s of eval, and the default sweep (5 variants x 3 seeds) about 2.5 hours.
+On enwik8, text8 and mix: the model and schedule of config/<dataset>_mha.py and _damcha.py
+(12 x 512, T = 512, 50k iterations), passed to train_char.py as config files.
+
+Output, under --results (default results/charlevel/<dataset>/): <variant>-seed<k>.log.jsonl (the
+run's eval curve) and <variant>-seed<k>.eval.json (train_char --mode=eval: bpc of the whole val
+split, and of the test split where the dataset has one), summary.json and summary.md. Checkpoints
+go to --out_root (default out-reproduce/<dataset>/<variant>-seed<k>/). A run whose eval JSON
+exists is skipped, so an interrupted sweep continues where it stopped; a run whose checkpoint
+exists but is not yet evaluated resumes from it.
+"""
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import train_char as tc
+from bench import count_params, equal_params_width
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VARIANTS = dict(mha=dict(attn='mha'), dcmha=dict(attn='dcmha'), damcha=dict(attn='damcha'),
+                damcha_static=dict(attn='damcha', adaptive=False),
+                damcha_unshared=dict(attn='damcha', share=False))
+OPTIONS = dict(dataset='shakespeare', seeds=3, variants=','.join(VARIANTS), max_iters=0, device='auto',
+               results='', out_root='')
+CPU_ITERS = 10000   # shakespeare's default: DAMCHA's run takes about 10 minutes on 2 CPU cores
+
+
+def config_file(dataset, fields):
+    """config/<dataset>_{mha,damcha}.py for the GPU datasets, else None (train_char's defaults)."""
+    if dataset not in ('enwik8', 'text8', 'mix'):
+        return None
+    return os.path.join(HERE, 'config', f"{dataset}_{'damcha' if fields['attn'] == 'damcha' else 'mha'}.py")
+
+
+def flags(d):
+    return [f'--{k}={v}' for k, v in d.items()]
+
+
+def mean_std(values):
+    if not values:
+        return None, None
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def fmt(mean, std):
+    return 'n/a' if mean is None else f'{mean:.4f}' + ('' if std is None else f' ± {std:.4f}')
+
+
+def main(argv):
+    opts, passthrough = dict(OPTIONS), {}
+    for arg in argv:
+        key, eq, value = arg.removeprefix('--').partition('=')
+        if not arg.startswith('--') or not eq:
+            tc.die(f"{arg}: options are written --key=value")
+        if key in opts:
+            opts[key] = type(OPTIONS[key])(value)
+        else:
+            passthrough[key] = value
+    dataset, variants = opts['dataset'], [v for v in opts['variants'].split(',') if v]
+    for v in variants:
+        if v not in VARIANTS:
+            tc.die(f"unknown variant {v!r}; the variants are {', '.join(VARIANTS)}")
+    results = opts['results'] or os.path.join(HERE, 'results', 'charlevel', os.path.basename(dataset))
+    out_root = opts['out_root'] or os.path.join(HERE, 'out-reproduce', os.path.basename(dataset))
+    common = dict(dataset=dataset, device=opts['device'])
+    max_iters = opts['max_iters'] or (CPU_ITERS if config_file(dataset, dict(attn='mha')) is None else 0)
+    if max_iters:
+        common |= dict(max_iters=max_iters, lr_decay_iters=max_iters)
+    common |= passthrough
+
+    # every variant's train_char settings, and its parameter count (train_char's own parsing)
+    runs, params, typed = {}, {}, {}
+    for name in ['mha'] + [v for v in variants if v != 'mha']:
+        settings = common | VARIANTS[name]
+        cfg, _ = tc.parse_config([f for f in [config_file(dataset, VARIANTS[name])] if f] + flags(settings))
+        fields = {k: cfg[k] for k in tc.MODEL_KEYS}
+        if not fields['vocab_size']:
+            fields['vocab_size'] = len(tc.load_dataset(cfg['dataset'], cfg['data_dir'])[1])
+        if name.startswith('damcha') and fields['adaptive']:
+            fields['gen_width'] = settings['gen_width'] = equal_params_width(params['mha'], fields)
+        runs[name], params[name] = settings, count_params(fields)
+        typed[name] = {k: cfg[k] for k in settings | dict(max_iters=0)}
+        typed[name] |= {k: v for k, v in fields.items() if k != 'vocab_size'}
+    os.makedirs(results, exist_ok=True)
+
+    for seed in range(1, opts['seeds'] + 1):
+        for name in variants:
+            run = f'{name}-seed{seed}'
+            eval_path = os.path.join(results, run + '.eval.json')
+            if os.path.exists(eval_path):
+                print(f"skip {run}: {eval_path} exists", flush=True)
+                continue
+            out_dir = os.path.join(out_root, run)
+            resume, t0 = os.path.exists(os.path.join(out_dir, 'ckpt.pt')), time.time()
+            if resume and tc.load_checkpoint(out_dir)['iter_num'] >= typed[name]['max_iters']:
+                print(f"{run}: trained, {out_dir}/ckpt.pt is at max_iters; evaluating it", flush=True)
+            else:
+                cmd = [sys.executable, os.path.join(HERE, 'train_char.py')]
+                cmd += [f for f in [config_file(dataset, VARIANTS[name])] if f]
+                cmd += flags(runs[name] | dict(seed=seed, out_dir=out_dir, init_from='resume' if resume else 'scratch'))
+                print(f"train {run} ({params[name]:,} parameters): {' '.join(cmd[1:])}", flush=True)
+                if subprocess.run(cmd).returncode:
+                    tc.die(f"training {run} failed (its output is above); rerun to resume it")
+            evaluation = subprocess.run([sys.executable, os.path.join(HERE, 'train_char.py'), '--mode=eval',
+                                         f'--out_dir={out_dir}', f"--device={opts['device']}"],
+                                        stdout=subprocess.PIPE, text=True)
+            if evaluation.returncode:
+                tc.die(f"evaluating {run} failed (its output is above)")
+            result = json.loads(evaluation.stdout)
+            shutil.copyfile(os.path.join(out_dir, 'log.jsonl'), os.path.join(results, run + '.log.jsonl'))
+            tc.write_atomic(eval_path, (json.dumps(result, indent=2) + '\n').encode())   # last: marks it done
+            print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}"
+                  + (f", test bpc {result['test_bpc']:.4f}" if 'test_bpc' in result else ''), flush=True)
+
+    # the summary: every finished run of the chosen variants and seeds
+    rows = []
+    for name in variants:
+        evals = []
+        for seed in range(1, opts['seeds'] + 1):
+            path = os.path.join(results, f'{name}-seed{seed}.eval.json')
+            if os.path.exists(path):
+                with open(path) as f:
+                    evals.append(json.load(f))
+        rel = params[name] / params['mha'] - 1
+        row = dict(variant=name, params=params[name], rel_params_vs_mha=rel, within_5pct=abs(rel) <= 0.05,
+                   gen_width=runs[name].get('gen_width'), runs=len(evals),
+                   config_file=config_file(dataset, VARIANTS[name]), settings=typed[name])
+        for split in ('val', 'test'):
+            values = [e[f'{split}_bpc'] for e in evals if f'{split}_bpc' in e]
+            row[f'{split}_bpc_mean'], row[f'{split}_bpc_std'] = mean_std(values)
+            row[f'{split}_bpc'] = values
+        rows.append(row)
+    settings = {k: v for k, v in runs['mha'].items() if k != 'attn'}
+    summary = dict(dataset=dataset, seeds=opts['seeds'], rows=rows)
+    with open(os.path.join(results, 'summary.json'), 'w') as f:
+        json.dump(summary, f, indent=2)
+    lines = [f"Character-level comparison on {dataset}: {opts['seeds']} seed(s), mean ± sample std over seeds "
+             f"of the bits per character of the whole split (train_char.py --mode=eval).", '',
+             f"Settings: `{' '.join(flags(settings))}`"
+             + (f" after config/{dataset}_mha.py or _damcha.py" if config_file(dataset, runs['mha']) else '')
+             + "; params: GPT.get_num_params(), without the position embedding.", '',
+             '| variant | params | rel. params vs MHA | val bpc | test bpc | runs |', '|---|---|---|---|---|---|']
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['params']:,} | {r['rel_params_vs_mha']:+.2%}"
+                     f"{'' if r['within_5pct'] else ' (not within 5%)'} | {fmt(r['val_bpc_mean'], r['val_bpc_std'])} "
+                     f"| {fmt(r['test_bpc_mean'], r['test_bpc_std'])} | {r['runs']} |")
+    off = [r for r in rows if not r['within_5pct']]
+    lines.append('')
+    lines.append('Not within 5% of MHA\'s parameter count (nothing to trade for it): '
+                 + ', '.join(f"{r['variant']} ({r['rel_params_vs_mha']:+.1%})" for r in off) + '.' if off else
+                 'Every variant is within 5% of MHA\'s parameter count.')
+    with open(os.path.join(results, 'summary.md'), 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    print('\n'.join(lines))
+    bad = [r['variant'] for r in rows if r['val_bpc_mean'] is not None and not math.isfinite(r['val_bpc_mean'])]
+    if bad:
+        tc.die(f"non-finite val bpc: {', '.join(bad)}")
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

@@ -1,0 +1,53 @@
+"""
+Tests of reproduce.py: a tiny sweep (one seed, a few iterations, a one-layer model) writes the
+per-run logs and eval JSON, summary.json and summary.md with a row per variant, DAMCHA at MHA's
+parameter count within 5%, and a rerun skips every finished run.
+
+    python -m pytest -q tests/test_reproduce.py
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ('mha', 'damcha', 'damcha_static')
+
+
+def sweep(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    args = ['--seeds=1', '--max_iters=6', '--eval_interval=3', '--eval_iters=2', '--n_layer=1', '--n_embd=32',
+            '--n_head=2', '--block_size=16', '--batch_size=4', '--max_new_tokens=5', '--device=cpu',
+            f"--variants={','.join(VARIANTS)}", f"--results={tmp_path / 'results'}",
+            f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}"]
+    t0 = time.time()
+    p = subprocess.run([sys.executable, 'reproduce.py', *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout, time.time() - t0
+
+
+def test_tiny_sweep_and_rerun(tmp_path):
+    out, first = sweep(tmp_path)
+    results = tmp_path / 'results'
+    for v in VARIANTS:
+        assert (results / f'{v}-seed1.log.jsonl').read_text().strip()
+        evaluation = json.loads((results / f'{v}-seed1.eval.json').read_text())
+        assert math.isfinite(evaluation['val_bpc']) and evaluation['iter'] == 6
+    summary = json.loads((results / 'summary.json').read_text())
+    rows = {r['variant']: r for r in summary['rows']}
+    assert list(rows) == list(VARIANTS)
+    for r in rows.values():
+        assert r['runs'] == 1 and math.isfinite(r['val_bpc_mean']) and r['test_bpc_mean'] is None   # no test split
+    assert abs(rows['damcha']['params'] / rows['mha']['params'] - 1) <= 0.05
+    assert rows['damcha']['within_5pct'] and not rows['damcha_static']['within_5pct']
+    table = (results / 'summary.md').read_text()
+    for v in VARIANTS:
+        assert f'| {v} |' in table
+    assert 'not within 5%' in table and 'damcha_static' in table.split('\n')[-2]
+
+    out, again = sweep(tmp_path)
+    assert out.count('skip ') == len(VARIANTS) and 'train ' not in out
+    assert again < first
