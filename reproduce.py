@@ -26,7 +26,9 @@ On enwik8, text8 and mix: the model and schedule of config/<dataset>_mha.py and 
 
 Output, under --results (default results/charlevel/<dataset>/): <variant>-seed<k>.log.jsonl (the
 run's eval curve) and <variant>-seed<k>.eval.json (train_char --mode=eval: bpc of the whole val
-split, and of the test split where the dataset has one), summary.json and summary.md. Checkpoints
+split, and of the test split where the dataset has one), summary.json and summary.md; and for the
+run named by --snapshot (default damcha-seed1) its weights in float16 at 0, 2.5, 10, 30 and 100% of
+training, in snapshots/<run>/snapshot-<iter>.pt (train_char --snapshot_iters). Checkpoints
 go to --out_root (default out-reproduce/<dataset>/<variant>-seed<k>/). A run whose eval JSON
 exists is skipped, so an interrupted sweep continues where it stopped; a run whose checkpoint
 exists but is not yet evaluated resumes from it.
@@ -48,7 +50,10 @@ VARIANTS = dict(mha=dict(attn='mha'), dcmha=dict(attn='dcmha'), damcha=dict(attn
                 damcha_static=dict(attn='damcha', adaptive=False),
                 damcha_unshared=dict(attn='damcha', share=False))
 OPTIONS = dict(dataset='shakespeare', seeds=3, variants=','.join(VARIANTS), max_iters=0, device='auto',
-               results='', out_root='')
+               results='', out_root='', snapshot='damcha-seed1')
+# the run named by --snapshot also keeps its weights at these fractions of max_iters, in
+# <results>/snapshots/<run>/: notebooks/04 plots its learned metric over training from them
+SNAPSHOT_AT = (0, 0.025, 0.1, 0.3, 1)
 CPU_ITERS = 10000   # shakespeare's default: DAMCHA's run takes about 10 minutes on 2 CPU cores
 
 
@@ -125,6 +130,9 @@ def main(argv):
                 cmd = [sys.executable, os.path.join(HERE, 'train_char.py')]
                 cmd += [f for f in [config_file(dataset, VARIANTS[name])] if f]
                 cmd += flags(runs[name] | dict(seed=seed, out_dir=out_dir, init_from='resume' if resume else 'scratch'))
+                if run == opts['snapshot']:
+                    at = (round(f * typed[name]['max_iters']) for f in SNAPSHOT_AT)
+                    cmd.append('--snapshot_iters=' + ','.join(map(str, at)))
                 print(f"train {run} ({params[name]:,} parameters): {' '.join(cmd[1:])}", flush=True)
                 if subprocess.run(cmd).returncode:
                     tc.die(f"training {run} failed (its output is above); rerun to resume it")
@@ -135,6 +143,11 @@ def main(argv):
                 tc.die(f"evaluating {run} failed (its output is above)")
             result = json.loads(evaluation.stdout)
             shutil.copyfile(os.path.join(out_dir, 'log.jsonl'), os.path.join(results, run + '.log.jsonl'))
+            snapshots = sorted(f for f in os.listdir(out_dir) if f.startswith('snapshot-'))
+            if snapshots:
+                os.makedirs(os.path.join(results, 'snapshots', run), exist_ok=True)
+                for f in snapshots:
+                    shutil.copyfile(os.path.join(out_dir, f), os.path.join(results, 'snapshots', run, f))
             tc.write_atomic(eval_path, (json.dumps(result, indent=2) + '\n').encode())   # last: marks it done
             print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}"
                   + (f", test bpc {result['test_bpc']:.4f}" if 'test_bpc' in result else ''), flush=True)

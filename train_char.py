@@ -85,6 +85,8 @@ DEFAULTS = dict(
     eval_iters=10,                # batches per split for the loss estimates logged while training
     log_interval=10,
     always_save_checkpoint=True,  # False: save only when the val loss improves
+    snapshot_iters='',            # e.g. 0,1000,5000: also keep the weights at these iterations,
+                                  # as float16, in out_dir/snapshot-<iter>.pt (notebooks/04 reads them)
     # eval mode
     stride=0,                     # window step; 0: block_size (non-overlapping windows)
     # sample mode, and the sample printed after training
@@ -453,6 +455,15 @@ def load_checkpoint(out_dir):
     return ckpt
 
 
+def parse_iters(text):
+    """'0,1000,5000' -> {0, 1000, 5000}; anything else is a one-line error."""
+    try:
+        iters = {int(t) for t in text.split(',') if t.strip()}
+    except ValueError:
+        die(f"snapshot_iters={text!r}: give iterations as comma-separated whole numbers, e.g. 0,1000,5000")
+    return iters
+
+
 def from_checkpoint(ckpt, config, given):
     """The run's saved settings overridden by those given now; model fields too, as long as
     the weights still fit (say --blocks=diag to ablate a trained model)."""
@@ -559,6 +570,7 @@ def train(cfg, given):
     rank, local_rank, world = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
                                int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
     master = rank == 0
+    snapshots = parse_iters(cfg['snapshot_iters'])
     ckpt_path = os.path.join(cfg['out_dir'], 'ckpt.pt')
     ckpt = None
     if cfg['init_from'] == 'resume':
@@ -695,6 +707,11 @@ def train(cfg, given):
                         saved_iter = iter_num
                 since_eval = [0, 0.0]
                 t_flush = time.time()
+            if master and iter_num in snapshots:
+                # weights only, for looking at (the learned metric over training), not for resuming
+                weights = {k: v.to(torch.float16) for k, v in raw_model.state_dict().items()}
+                snapshot = dict(model=weights, model_args=model_args, vocab=vocab, iter_num=iter_num)
+                torch.save(snapshot, os.path.join(cfg['out_dir'], f'snapshot-{iter_num}.pt'))
             if last:
                 break
 

@@ -1,7 +1,8 @@
 """
 Tests of reproduce.py: a tiny sweep (one seed, a few iterations, a one-layer model) writes the
 per-run logs and eval JSON, summary.json and summary.md with a row per variant, DAMCHA at MHA's
-parameter count within 5%, and a rerun skips every finished run.
+parameter count within 5%, the float16 weight snapshots of the run named by --snapshot, and a
+rerun skips every finished run.
 
     python -m pytest -q tests/test_reproduce.py
 """
@@ -11,6 +12,8 @@ import os
 import subprocess
 import sys
 import time
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ('mha', 'damcha', 'damcha_static')
@@ -47,6 +50,18 @@ def test_tiny_sweep_and_rerun(tmp_path):
     for v in VARIANTS:
         assert f'| {v} |' in table
     assert 'not within 5%' in table and 'damcha_static' in table.split('\n')[-2]
+
+    # --snapshot=damcha-seed1 (the default): weights at 0, 2.5%, 10%, 30% and 100% of the 6 iterations
+    snapshots = results / 'snapshots'
+    assert sorted(p.name for p in snapshots.iterdir()) == ['damcha-seed1']
+    assert sorted(p.name for p in (snapshots / 'damcha-seed1').iterdir()) == [
+        f'snapshot-{i}.pt' for i in (0, 1, 2, 6)]
+    start, end = (torch.load(snapshots / 'damcha-seed1' / f'snapshot-{i}.pt', weights_only=True) for i in (0, 6))
+    final = torch.load(tmp_path / 'out' / 'damcha-seed1' / 'ckpt.pt', weights_only=True)['model']
+    assert end['iter_num'] == 6 and end['model'].keys() == final.keys()
+    for k, w in final.items():
+        assert end['model'][k].dtype == torch.float16 and torch.equal(end['model'][k], w.half())
+    assert any(not torch.equal(start['model'][k], end['model'][k]) for k in final)
 
     out, again = sweep(tmp_path)
     assert out.count('skip ') == len(VARIANTS) and 'train ' not in out
