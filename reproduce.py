@@ -20,7 +20,9 @@ Model and schedule: on shakespeare, train_char.py's defaults (4 layers, 4 heads,
 batch 12) for 10,000 iterations (7.7M characters, ~5 passes over the corpus), lr decayed to the end.
 Measured on 2 idle CPU cores, ms per iteration: mha 38, damcha_static 35, damcha 58,
 damcha_unshared 65, dcmha 80; so a run takes 6 (mha) to 13 (dcmha) minutes, DAMCHA's about 10,
-plus ~10 s of eval, and the default sweep (5 variants x 3 seeds) about 2.5 hours.
+plus ~10 s of eval, and the default sweep (5 variants x 3 seeds) about 2.5 hours. Two processes
+side by side with one thread each and the variants split between them (OMP_NUM_THREADS=1 ...
+--variants=mha,dcmha,damcha_static, and --variants=damcha,damcha_unshared) did it in 1 h 45 min.
 On enwik8, text8 and mix: the model and schedule of config/<dataset>_mha.py and _damcha.py
 (12 x 512, T = 512, 50k iterations), passed to train_char.py as config files.
 
