@@ -455,12 +455,16 @@ def load_checkpoint(out_dir):
     return ckpt
 
 
-def parse_iters(text):
-    """'0,1000,5000' -> {0, 1000, 5000}; anything else is a one-line error."""
+def parse_iters(text, max_iters):
+    """'0,1000,5000' -> {0, 1000, 5000}; anything else, or an iteration the run never reaches, is a
+    one-line error."""
     try:
         iters = {int(t) for t in text.split(',') if t.strip()}
     except ValueError:
         die(f"snapshot_iters={text!r}: give iterations as comma-separated whole numbers, e.g. 0,1000,5000")
+    outside = sorted(i for i in iters if not 0 <= i <= max_iters)
+    if outside:
+        die(f"snapshot_iters: {outside} outside this run's iterations 0..{max_iters}")
     return iters
 
 
@@ -570,7 +574,6 @@ def train(cfg, given):
     rank, local_rank, world = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
                                int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
     master = rank == 0
-    snapshots = parse_iters(cfg['snapshot_iters'])
     ckpt_path = os.path.join(cfg['out_dir'], 'ckpt.pt')
     ckpt = None
     if cfg['init_from'] == 'resume':
@@ -584,6 +587,7 @@ def train(cfg, given):
     else:
         model_args = {k: cfg[k] for k in MODEL_KEYS}
         model_config(model_args | {'vocab_size': model_args['vocab_size'] or 1})   # fail before downloading
+    snapshots = parse_iters(cfg['snapshot_iters'], cfg['max_iters'])
     if cfg['gradient_accumulation_steps'] % world:
         die(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple of "
             f"the {world} processes")
@@ -711,7 +715,9 @@ def train(cfg, given):
                 # weights only, for looking at (the learned metric over training), not for resuming
                 weights = {k: v.to(torch.float16) for k, v in raw_model.state_dict().items()}
                 snapshot = dict(model=weights, model_args=model_args, vocab=vocab, iter_num=iter_num)
-                torch.save(snapshot, os.path.join(cfg['out_dir'], f'snapshot-{iter_num}.pt'))
+                path = os.path.join(cfg['out_dir'], f'snapshot-{iter_num}.pt')
+                torch.save(snapshot, path + '.tmp')
+                os.replace(path + '.tmp', path)
             if last:
                 break
 

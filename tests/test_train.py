@@ -133,6 +133,7 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     assert 'no such config file' in fails('config/none.py')
     assert '--key=value' in fails('--max_iters')
     assert 'comma-separated whole numbers' in fails('--snapshot_iters=0,half', f'--out_dir={tmp_path / "out"}')
+    assert "outside this run's iterations" in fails('--snapshot_iters=0,2001', f'--out_dir={tmp_path / "out"}')
     broken = tmp_path / 'broken.py'
     broken.write_text('batch_size = = 3\n')
     assert 'SyntaxError' in fails(broken)
