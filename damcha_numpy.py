@@ -8,7 +8,7 @@ its own slice x_i of the layer input through m_i = sum_j M_ij (RowSum), so the o
 blocks M_ij (j != i) let head i's similarity depend on the other heads' subspaces.
 
 This file is the reference that the PyTorch model and the GPU kernel are checked against. It
-follows ../shared/SPEC.md exactly. Every operation is a pair, llm.c style:
+follows the model as docs/model.md writes it down, equation by equation. Every operation is a pair, llm.c style:
     out, cache = op_forward(...)        grads = op_backward(dout, cache)
 Comments give tensor shapes, e.g. (B, T, H, dh, dh), and the paper's equation numbers.
 

@@ -8,7 +8,7 @@ prefix mean c of every position and outputs a D x D cross-head metric M(c); head
 its own slice x_i of the layer input through m_i = sum_j M_ij (RowSum), so the off-diagonal
 blocks M_ij (j != i) let the other heads' subspaces shape head i's similarity.
 
-The model is fixed by ../shared/SPEC.md; damcha_numpy.py is the NumPy reference with the same
+The model is the one docs/model.md describes; damcha_numpy.py is the NumPy reference with the same
 parameter names and layouts, so one set of weights loads into both (tests/test_torch.py checks
 logits, loss and every gradient against it in float64). What this file adds is speed:
   - gen_out="full" never builds the (B, T, D, D) tensor M: RowSum is linear, so it is applied

@@ -1,5 +1,5 @@
 """
-damcha_triton.py: DAMCHA attention (Eqs. 5-7 of ../shared/SPEC.md) as fused Triton kernels, with a
+damcha_triton.py: DAMCHA attention (Eqs. 5-7 of docs/model.md) as fused Triton kernels, with a
 hand-written flash-attention-2 style backward pass.
 
     o = damcha_attention(x, m, v)

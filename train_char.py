@@ -28,9 +28,7 @@ A run writes to out_dir: ckpt.pt, log.jsonl (one line per evaluation: the curves
 train_log.jsonl (one line per iteration: the losses that a resumed run reproduces exactly on CPU).
 Resumed, evaluated and sampled runs keep the checkpoint's settings except those you pass.
 """
-import ast
 import dataclasses
-import difflib
 import hashlib
 import importlib.util
 import http.client
@@ -52,6 +50,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from configurator import configure, die
 from damcha_torch import GPT, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -125,65 +124,12 @@ BUNDLED = os.path.join(HERE, 'data', 'shakespeare', 'input.txt')
 LN2 = math.log(2)
 
 
-def die(message):
-    """Bad input ends here: one line on stderr, exit status 1, no traceback."""
-    raise SystemExit('error: ' + ' '.join(str(message).split()))
-
-
 # ---------------------------------------------------------------------------------------------
 # Configuration
 
 def parse_config(argv):
     """Defaults, then each config file or --key=value in order. Returns (config, keys given)."""
-    config, given = dict(DEFAULTS), set()
-    for arg in argv:
-        if arg.startswith('--'):
-            key, eq, text = arg[2:].partition('=')
-            if not eq:
-                die(f"{arg}: options are written --key=value")
-            updates, from_text = {key: text}, True
-        elif os.path.isfile(arg):
-            updates, from_text = read_config_file(arg), False
-        else:
-            die(f"{arg}: no such config file (options are written --key=value)")
-        for key, value in updates.items():
-            if key not in DEFAULTS:
-                close = difflib.get_close_matches(key, DEFAULTS, n=1)
-                die(f"unknown setting {key!r} in {arg}" + (f"; did you mean {close[0]!r}?" if close else ''))
-            config[key] = typed(key, value, from_text)
-            given.add(key)
-    for key, allowed in CHOICES.items():
-        if config[key] not in allowed:
-            die(f"{key} must be one of {', '.join(allowed)}, not {config[key]!r}")
-    for key in POSITIVE + NON_NEGATIVE:
-        if config[key] < 0 or (config[key] == 0 and key in POSITIVE):
-            die(f"{key} must be {'positive' if key in POSITIVE else 'zero or more'}, not {config[key]}")
-    return config, given
-
-
-def read_config_file(path):
-    namespace = {}
-    try:
-        with open(path) as f:
-            exec(compile(f.read(), path, 'exec'), namespace)
-    except Exception as e:   # whatever a broken config file raises, report it in one line
-        die(f"{path}: {type(e).__name__}: {e}")
-    return {k: v for k, v in namespace.items() if not k.startswith('_')}
-
-
-def typed(key, value, from_text):
-    """The value with the type of the key's default; an int is accepted where a float is due."""
-    want = type(DEFAULTS[key])
-    if from_text and want is not str:
-        try:
-            value = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            die(f"{key}={value}: expected {want.__name__}" + (" (True or False)" if want is bool else ''))
-    if want is float and type(value) is int:
-        value = float(value)
-    if type(value) is not want:
-        die(f"{key}={value!r}: expected {want.__name__}, not {type(value).__name__}")
-    return value
+    return configure(DEFAULTS, argv, CHOICES, POSITIVE, NON_NEGATIVE, doc=__doc__)
 
 
 def model_config(model_args):

@@ -1,4 +1,4 @@
-"""Independent float64 reference of the DAMCHA forward pass, written from SPEC.md only.
+"""Independent float64 reference of the DAMCHA forward pass, written from the model's specification only.
 
 This file is deliberately independent of damcha_numpy.py and damcha_torch.py: it was
 written without reading them, uses explicit Python loops so that every formula of the
@@ -7,7 +7,8 @@ spec appears literally, and is only meant for tiny sizes in tests (speed does no
     reference_forward(params, config, idx, targets=None) -> (logits, loss)
     reference_random_params(config, seed) -> dict of float64 arrays (the spec's keys)
 
-Section names in the comments refer to /work/shared/SPEC.md.
+Section names in the comments refer to the specification's sections, which docs/model.md
+reproduces.
 """
 import math
 

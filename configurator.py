@@ -1,0 +1,83 @@
+"""
+configurator.py: the one settings parser that every script uses (train_char, bench, synthetic,
+reproduce), in the manner of nanoGPT's configurator.
+
+A script keeps its settings in a dict of defaults and calls configure(defaults, sys.argv[1:]).
+Each argument, in order, overrides what came before:
+    config/enwik8.py      a config file of plain assignments (key = value), run as Python
+    --key=value           one setting; the value is read as a Python literal and must have the
+                          type of the default (an int is accepted where a float is due)
+    --flag                short for --flag=True, for settings whose default is a bool
+    --help                the script's docstring
+A setting that does not exist, a value of the wrong type or outside the allowed choices ends the
+program with one line on stderr (die), never a traceback.
+"""
+import ast
+import difflib
+import os
+
+
+def die(message):
+    """Bad input ends here: one line on stderr, exit status 1, no traceback."""
+    raise SystemExit('error: ' + ' '.join(str(message).split()))
+
+
+def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=None):
+    """defaults updated by each config file or --key=value of argv in order.
+    choices: {key: allowed values}; positive / non_negative: keys whose numbers are checked.
+    Returns (config, the set of keys given)."""
+    config, given = dict(defaults), set()
+    for arg in argv:
+        if arg in ('-h', '--help'):
+            print((doc or '').strip())
+            raise SystemExit(0)
+        if arg.startswith('--'):
+            key, eq, text = arg[2:].partition('=')
+            if not eq and type(defaults.get(key)) is bool:
+                text = 'True'
+            elif not eq:
+                die(f"{arg}: options are written --key=value")
+            updates, from_text = {key: text}, True
+        elif os.path.isfile(arg):
+            updates, from_text = read_config_file(arg), False
+        else:
+            die(f"{arg}: no such config file (options are written --key=value)")
+        for key, value in updates.items():
+            if key not in defaults:
+                close = difflib.get_close_matches(key, defaults, n=1)
+                die(f"unknown setting {key!r} in {arg}" + (f"; did you mean {close[0]!r}?" if close else ''))
+            config[key] = typed(key, value, type(defaults[key]), from_text)
+            given.add(key)
+    for key, allowed in (choices or {}).items():
+        if config[key] not in allowed:
+            die(f"{key} must be one of {', '.join(map(str, allowed))}, not {config[key]!r}")
+    for key in tuple(positive) + tuple(non_negative):
+        if config[key] < 0 or (config[key] == 0 and key in positive):
+            die(f"{key} must be {'positive' if key in positive else 'zero or more'}, not {config[key]}")
+    return config, given
+
+
+def read_config_file(path):
+    """The assignments of a config file, except names starting with an underscore."""
+    namespace = {}
+    try:
+        with open(path) as f:
+            exec(compile(f.read(), path, 'exec'), namespace)
+    except Exception as e:   # whatever a broken config file raises, report it in one line
+        die(f"{path}: {type(e).__name__}: {e}")
+    return {k: v for k, v in namespace.items() if not k.startswith('_')}
+
+
+def typed(key, value, want, from_text):
+    """value with the type want; from_text: value is the text of a --key=value flag."""
+    if from_text and want is not str:
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            die(f"{key}={value}: expected {want.__name__}" + (" (True or False)" if want is bool else ''))
+    if want is float and type(value) is int:
+        value = float(value)
+    if type(value) is not want:
+        die(f"{key}={value!r}: expected {want.__name__}, not {type(value).__name__}")
+    return value
+
