@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 
 import damcha_numpy
-from damcha_torch import GPT, GPTConfig, MetricQuery, compute_metric, fresh_process_peak_memory, train_step_peak_memory
+from damcha_torch import (GPT, GPTConfig, MetricQuery, compute_metric, count_params, equal_params_width,
+                          fresh_process_peak_memory, train_step_peak_memory)
 
 QUICK_WIDTHS, WIDTHS = (8, 64), (8, 16, 64, 128, 256)
 SWEEP_T = (256, 512, 1024, 2048)
@@ -55,27 +56,6 @@ SWEEP_T = (256, 512, 1024, 2048)
 # NumPy-against-PyTorch comparison
 NUMPY_FIELDS = dict(vocab_size=80, block_size=64, n_layer=2, n_head=4, n_embd=64, gen_width=64, gen_out="full")
 NUMPY_BATCH = 16
-
-
-def count_params(fields):
-    """GPT.get_num_params of GPTConfig(**fields), built on the meta device: no memory, no time."""
-    with torch.device("meta"):
-        return GPT(GPTConfig(**fields)).get_num_params()
-
-
-def equal_params_width(target, fields):
-    """The generator width w at which the DAMCHA model GPTConfig(**fields, gen_width=w) has the
-    parameter count nearest to target. The count grows with w, so bisect."""
-    count = lambda w: count_params(dict(fields, gen_width=w))
-    lo, hi = 1, 2
-    while count(hi) < target:
-        lo, hi = hi, 2 * hi
-        if hi > 2**20:
-            raise ValueError(f"no generator width reaches {target:,} parameters")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if count(mid) < target else (lo, mid)
-    return min((lo, hi), key=lambda w: abs(count(w) - target))
 
 
 def peak_memory(fields, batch_size, device):

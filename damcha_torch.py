@@ -544,6 +544,38 @@ class GPT(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Peak memory of one train step
 
+def count_params(fields):
+    """GPT.get_num_params of GPTConfig(**fields), built on the meta device: no memory, no time."""
+    with torch.device("meta"):
+        return GPT(GPTConfig(**fields)).get_num_params()
+
+
+def equal_params_width(target, fields):
+    """The generator width w at which the DAMCHA model GPTConfig(**fields, gen_width=w) has the
+    parameter count nearest to target. The count grows with w, so bisect."""
+    count = lambda w: count_params(dict(fields, gen_width=w))
+    lo, hi = 1, 2
+    while count(hi) < target:
+        lo, hi = hi, 2 * hi
+        if hi > 2**20:
+            raise ValueError(f"no generator width reaches {target:,} parameters")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if count(mid) < target else (lo, mid)
+    return min((lo, hi), key=lambda w: abs(count(w) - target))
+
+
+def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
+    """The learning rate of iteration it: linear warm-up over warmup_iters, cosine decay to min_lr
+    at lr_decay_iters, then min_lr (nanoGPT's schedule; every training loop here uses it)."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it >= lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
 def train_step_peak_memory(config, batch_size, device="cpu"):
     """Build the model and run one AdamW train step (forward, backward, update) in float32 at
     T = block_size. A step of a tiny model of the same kind runs first, so that the libraries'

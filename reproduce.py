@@ -10,10 +10,10 @@ DAMCHA's ablations at equal parameter count, several seeds each, scored on the f
 Variants (every run is `python train_char.py ...` in a subprocess, then `--mode=eval` on its ckpt):
     mha              attn=mha, the baseline whose parameter count the others match
     dcmha            attn=dcmha (Xiao et al. 2024); no width to trade, so its count is what it is
-    damcha           the shared folded generator, its width solved by bench.equal_params_width
+    damcha           the shared folded generator, its width solved by damcha_torch.equal_params_width
     damcha_static    adaptive=False, a learned constant metric: no generator, so fewer parameters
     damcha_unshared  share=False, a generator per layer, its width solved likewise
-Counts are GPT.get_num_params() (bench.count_params); summary.md flags each variant that is not
+Counts are GPT.get_num_params() (damcha_torch.count_params); summary.md flags each variant that is not
 within 5% of MHA's count rather than hiding it.
 
 Model and schedule: on shakespeare, train_char.py's defaults (4 layers, 4 heads, D = 128, T = 64,
@@ -45,7 +45,7 @@ import sys
 import time
 
 import train_char as tc
-from bench import count_params, equal_params_width
+from damcha_torch import count_params, equal_params_width
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = dict(mha=dict(attn='mha'), dcmha=dict(attn='dcmha'), damcha=dict(attn='damcha'),

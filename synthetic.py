@@ -40,7 +40,7 @@ layer), so in the first layer head h owns subspace h; no position embedding (the
 a query, the last token). The model is causal, so the prediction is read at the last position,
 which attends to every token: ln_f, then a linear head (1 output, or K logits). DAMCHA shares one
 metric generator over the stack (share=True, as GPT does) with gen_out="folded" (f outputs m, the
-same function class as "full": RowSum is linear), P = 2; its width w is bench.equal_params_width's,
+same function class as "full": RowSum is linear), P = 2; its width w is damcha_torch.equal_params_width's,
 so that DAMCHA and MHA have equal parameter counts (within 5%; checked, and recorded per row).
 
 Training: AdamW (lr 3e-3, weight decay 0.01, betas (0.9, 0.99)), cosine decay to 10%, batch 64,
@@ -66,8 +66,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bench import count_params, equal_params_width
-from damcha_torch import GPT, Block, GPTConfig, add_metric, compute_metric
+from damcha_torch import GPT, Block, GPTConfig, add_metric, compute_metric, count_params, equal_params_width
 
 H = 4                                    # subspaces = heads
 T = 8                                    # tokens per sample
@@ -137,7 +136,7 @@ def classification_data(d_e, seed=0, lam=CLS_LAMBDA, n_train=N_TRAIN, n_test=N_T
 
 def model_config(attn, D, n_layer=DEFAULTS["n_layer"]):
     """GPTConfig of the blocks; DAMCHA's generator width is solved for equal parameter count with
-    MHA (bench.equal_params_width on the GPT of the same blocks: that GPT and SetModel differ by
+    MHA (damcha_torch.equal_params_width on the GPT of the same blocks: that GPT and SetModel differ by
     the same parameters, embeddings against head, for both attentions)."""
     fields = dict(vocab_size=1, block_size=T, n_layer=n_layer, n_head=H, n_embd=D)
     if attn == "mha":

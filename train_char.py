@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from configurator import configure, die
-from damcha_torch import GPT, GPTConfig
+from damcha_torch import GPT, GPTConfig, get_lr
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -456,16 +456,10 @@ def restore(ckpt, optimizer, scaler, batches, rank, device):
 # ---------------------------------------------------------------------------------------------
 # Training
 
-def get_lr(it, cfg):
-    """Linear warm-up, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+def lr_at(it, cfg):
     if not cfg['decay_lr']:
         return cfg['learning_rate']
-    if it < cfg['warmup_iters']:
-        return cfg['learning_rate'] * (it + 1) / (cfg['warmup_iters'] + 1)
-    if it >= cfg['lr_decay_iters']:
-        return cfg['min_lr']
-    ratio = (it - cfg['warmup_iters']) / (cfg['lr_decay_iters'] - cfg['warmup_iters'])
-    return cfg['min_lr'] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg['learning_rate'] - cfg['min_lr'])
+    return get_lr(it, cfg['learning_rate'], cfg['warmup_iters'], cfg['lr_decay_iters'], cfg['min_lr'])
 
 
 @torch.no_grad()
@@ -596,7 +590,7 @@ def train(cfg, given):
         print(f"{sum(p.numel() for p in raw_model.parameters()):,} parameters; {tokens_per_iter:,} tokens "
               f"per iteration ({world} x {accum} x {cfg['batch_size']} x {model_args['block_size']}); "
               f"device {device}, {dtype}")
-    start_iter, saved_iter, pending, lr = iter_num, ckpt and iter_num, [], get_lr(iter_num, cfg)
+    start_iter, saved_iter, pending, lr = iter_num, ckpt and iter_num, [], lr_at(iter_num, cfg)
 
     def stop(what, value, it):
         die(f"the {what} loss became {value} at iter {it}; stopped without saving: "
@@ -667,7 +661,7 @@ def train(cfg, given):
             if last:
                 break
 
-            lr = get_lr(iter_num, cfg)
+            lr = lr_at(iter_num, cfg)
             for group in optimizer.param_groups:
                 group['lr'] = lr
             which, offsets = draw_rows(components, 'train', rows_per_iter, model_args['block_size'], batches)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import bench
+import damcha_torch
 
 TINY = dict(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=16)
 ARGS = argparse.Namespace(device="cpu", repeats=2)
@@ -19,16 +20,16 @@ ARGS = argparse.Namespace(device="cpu", repeats=2)
 @pytest.mark.parametrize("gen_out, gen_depth", [("folded", 2), ("full", 2), ("folded", 3)])
 def test_equal_params_width_matches_mha_within_5_percent(gen_out, gen_depth):
     fields = dict(TINY, n_embd=32, n_layer=4, gen_out=gen_out, gen_depth=gen_depth)
-    target = bench.count_params(dict(fields, attn="mha"))
-    w = bench.equal_params_width(target, fields)
-    error = lambda w: abs(bench.count_params(dict(fields, gen_width=w)) - target)
+    target = damcha_torch.count_params(dict(fields, attn="mha"))
+    w = damcha_torch.equal_params_width(target, fields)
+    error = lambda w: abs(damcha_torch.count_params(dict(fields, gen_width=w)) - target)
     assert error(w) / target < 0.05
     assert all(error(w) <= error(v) for v in (w - 1, w + 1) if v >= 1)     # the nearest width
 
 
 def test_equal_params_width_needs_a_width_to_trade():
     with pytest.raises(ValueError, match="no generator width"):
-        bench.equal_params_width(10**9, dict(TINY, gen_depth=1))
+        damcha_torch.equal_params_width(10**9, dict(TINY, gen_depth=1))
 
 
 def test_measure_rows_are_json_with_the_required_keys():
@@ -40,7 +41,7 @@ def test_measure_rows_are_json_with_the_required_keys():
         assert {"name", "params", "tokens_per_sec", "peak_mb", "throughput_vs_mha", "peak_vs_mha"} <= parsed.keys()
         assert parsed["tokens_per_sec"] > 0 and parsed["peak_mb"] >= 0 and parsed["rss_peak_mb"] > 0
     assert rows[0]["throughput_vs_mha"] == 1.0
-    assert rows[0]["params"] == bench.count_params(dict(TINY, attn="mha"))
+    assert rows[0]["params"] == damcha_torch.count_params(dict(TINY, attn="mha"))
 
 
 def test_cost_breakdown_times_every_part():
