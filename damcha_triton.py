@@ -108,16 +108,27 @@ def _program(H, T, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _row_pointers(x_base, m_base, rows, cols, stride_xt, stride_mt, stride_me, T, dh):
+    # for the loops over the rows d of the per-token metrics: x_t[0] (BLOCK,) and m_t[0, :]
+    # (BLOCK, DH) of each position, which row d offsets by d * stride, and the masks
+    rows64 = rows.to(tl.int64)
+    row_ok = rows < T
+    return (x_base + rows64 * stride_xt, m_base + rows64[:, None] * stride_mt + cols[None, :] * stride_me,
+            row_ok, row_ok[:, None] & (cols < dh)[None, :])
+
+
+@triton.jit
 def _metric_query(x_base, m_base, rows, cols, stride_xt, stride_xd, stride_mt, stride_md, stride_me,
                   T, dh, BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
     # Eq. 5, the query side: q_t = x_t @ m_t for the positions `rows` -> (BLOCK, DH) in float32
     if PER_TOKEN:
         # every position has its own (dh, dh) matrix: a batch of vector-matrix products, not a
         # matmul. Walk the rows d of m_t, q_t += x_t[d] m_t[d, :], M_STAGES loads ahead
+        x_ptrs, m_ptrs, row_ok, mask = _row_pointers(x_base, m_base, rows, cols, stride_xt, stride_mt, stride_me, T, dh)
         q = tl.zeros((BLOCK, DH), dtype=tl.float32)
         for d in tl.range(0, dh, num_stages=M_STAGES):
-            x_d = tl.load(x_base + rows.to(tl.int64) * stride_xt + d * stride_xd, mask=rows < T, other=0.0)
-            m_d = _load_rows(m_base + d * stride_md, rows, cols, stride_mt, stride_me, T, dh)   # (BLOCK, DH) m_t[d, :]
+            x_d = tl.load(x_ptrs + d * stride_xd, mask=row_ok, other=0.0)                  # (BLOCK,) x_t[d]
+            m_d = tl.load(m_ptrs + d * stride_md, mask=mask, other=0.0)                    # (BLOCK, DH) m_t[d, :]
             q += x_d.to(tl.float32)[:, None] * m_d.to(tl.float32)
     else:
         # one (dh, dh) matrix for the head: one matmul
@@ -313,18 +324,20 @@ def _bwd_dq(x_ptr, m_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dx_p
     if PER_TOKEN:
         # row by row of m_t, M_STAGES loads ahead:
         #   dx_t[d] = sum_e dq_t[e] m_t[d, e],   dm_t[d, :] = x_t[d] dq_t (an outer product per position)
+        x_ptrs, m_ptrs, row_ok, mask = _row_pointers(x_base, m_base, rows, cols, stride_xt, stride_mt, stride_me, T, dh)
+        dm_ptrs = dm_ptr + b * stride_dmb + h * stride_dmh + rows.to(tl.int64)[:, None] * stride_dmt + cols[None, :]
         dx_query = tl.zeros((BLOCK, DH), dtype=tl.float32)
         for d in tl.range(0, dh, num_stages=M_STAGES):
-            m_d = _load_rows(m_base + d * stride_md, rows, cols, stride_mt, stride_me, T, dh).to(tl.float32)
+            m_d = tl.load(m_ptrs + d * stride_md, mask=mask, other=0.0).to(tl.float32)    # (BLOCK, DH) m_t[d, :]
             dx_query = tl.where(cols[None, :] == d, tl.sum(dq * m_d, 1)[:, None], dx_query)
-            x_d = tl.load(x_base + rows.to(tl.int64) * stride_xt + d * stride_xd, mask=rows < T, other=0.0)
-            _store_rows(dm_ptr + b * stride_dmb + h * stride_dmh + d * stride_dmd, x_d.to(tl.float32)[:, None] * dq,
-                        rows, cols, stride_dmt, 1, T, dh)
+            x_d = tl.load(x_ptrs + d * stride_xd, mask=row_ok, other=0.0).to(tl.float32)  # (BLOCK,) x_t[d]
+            tl.store(dm_ptrs + d * stride_dmd, (x_d[:, None] * dq).to(dm_ptr.dtype.element_ty), mask=mask)
     else:
         # one matrix per head: dx = dq m^T is one matmul. dm = sum over (b, t) of x_t^T dq_t: dq goes
         # to dm_ptr, a float32 (B*H, T, dh) buffer, and damcha_attention takes that sum as one matmul
-        m = _load_rows(m_base, cols, cols, stride_md, stride_me, dh, dh).to(tl.float32)      # (DH, DH)
-        dx_query = tl.dot(dq, tl.trans(m), input_precision=PRECISION)
+        # (dq rounded to the inputs' dtype, as torch's 16-bit path rounds it: a 16-bit tensor-core dot)
+        m = _load_rows(m_base, cols, cols, stride_md, stride_me, dh, dh)                      # (DH, DH)
+        dx_query = tl.dot(dq.to(m.dtype), tl.trans(m), input_precision=PRECISION)
         _store_rows(dm_ptr + bh * T * dh, dq, rows, cols, dh, 1, T, dh)
     # x is the keys and the queries' input: dx = dk (from _bwd_dkdv) + dq m^T
     dk = _load_rows(dk_ptr + b * stride_dkb + h * stride_dkh, rows, cols, stride_dkt, stride_dkd, T, dh)
@@ -373,15 +386,55 @@ def _on_device(x):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
+def _forward_plan(x, m, v):
+    """The forward's outputs (o, lse, q), allocated, and its kernel launches as a list of
+    (kernel, grid, args, constants); tests/test_sm90_compile.py compiles these very launches."""
+    B, H, T, dh = x.shape
+    o, lse, q = _attention_fake(x, m, v)
+    launches = [(_attn_fwd, _grid(x), (x, m, v, o, lse, q, *x.stride(), *_metric_strides(m), *v.stride(), *o.stride(),
+                                       H, T, dh, LOG2E / math.sqrt(dh)), dict(PER_TOKEN=m.dim() == 5, **_options(x)))]
+    return (o, lse, q), launches
+
+
+def _backward_plan(do, x, m, v, o, lse, q):
+    """The backward's outputs (dx, dm, dv) and its scratch, allocated, and its kernel launches."""
+    B, H, T, dh = x.shape
+    options = _options(x)
+    sm_scale = 1.0 / math.sqrt(dh)
+    dx, dm, dv = _attention_backward_fake(do, x, m, v, o, lse, q)
+    delta = torch.empty(B, H, T, device=x.device, dtype=torch.float32)
+    dk = _heads_like(x, torch.float32)    # float32: the two parts of dx are added before rounding
+    per_token = m.dim() == 5
+    # static: the kernel writes dq (float32), and dm = sum over (b, t) of x_t^T dq_t is one matmul
+    dq_or_dm = dm if per_token else torch.empty(B, H, T, dh, device=x.device, dtype=torch.float32)
+    launches = [
+        # D_t = rowsum(dO_t * O_t)
+        (_bwd_prep, (B * H, triton.cdiv(T, PREP_BLOCK)), (o, do, delta, *o.stride(), *do.stride(), H, T, dh),
+         dict(BLOCK=PREP_BLOCK, DH=options["DH"])),
+        # O = P V and P = softmax(q x^T / sqrt(dh)), from the side of the keys x: dv, and dk
+        (_bwd_dkdv, _grid(x), (x, v, q, do, lse, delta, dk, dv, *x.stride(), *v.stride(), *do.stride(), *dk.stride(),
+                               *dv.stride(), H, T, dh, sm_scale, sm_scale * LOG2E), options),
+        # the same, from the side of the queries: dq; then q = x m: dx = dk + dq m^T, dm = x^T dq
+        (_bwd_dq, _grid(x), (x, m, v, q, do, lse, delta, dk, dx, dq_or_dm, *x.stride(), *_metric_strides(m),
+                             *v.stride(), *do.stride(), *dk.stride(), *dx.stride(),
+                             *(dm.stride()[:4] if per_token else (0, 0, 0, 0)), H, T, dh, sm_scale, sm_scale * LOG2E),
+         dict(PER_TOKEN=per_token, **options)),
+    ]
+    return (dx, dm, dv, dq_or_dm), launches
+
+
+def _launch(launches, x):
+    with _on_device(x):
+        for kernel, grid, args, constants in launches:
+            kernel[grid](*args, **constants)
+
+
 @torch.library.custom_op("damcha::attention", mutates_args=())
 def _attention(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> o (B, H, T, dh), the row logsumexp lse (B, H, T) in base 2, and q = x m (B, H, T, dh)."""
-    B, H, T, dh = x.shape
-    o, lse, q = _attention_fake(x, m, v)
-    with _on_device(x):
-        _attn_fwd[_grid(x)](x, m, v, o, lse, q, *x.stride(), *_metric_strides(m), *v.stride(), *o.stride(),
-                            H, T, dh, LOG2E / math.sqrt(dh), PER_TOKEN=m.dim() == 5, **_options(x))
-    return o, lse, q
+    outputs, launches = _forward_plan(x, m, v)
+    _launch(launches, x)
+    return outputs
 
 
 @_attention.register_fake
@@ -395,28 +448,9 @@ def _attention_fake(x, m, v):
 def _attention_backward(do: torch.Tensor, x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                         lse: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dx, dm, dv for the output gradient do."""
-    B, H, T, dh = x.shape
-    options = _options(x)
-    sm_scale = 1.0 / math.sqrt(dh)
-    dx, dm, dv = _attention_backward_fake(do, x, m, v, o, lse, q)
-    delta = torch.empty(B, H, T, device=x.device, dtype=torch.float32)
-    dk = _heads_like(x, torch.float32)    # float32: the two parts of dx are added before rounding
-    per_token = m.dim() == 5
-    # static: the kernel writes dq (float32), and dm = sum over (b, t) of x_t^T dq_t is one matmul below
-    dq_or_dm = dm if per_token else torch.empty(B, H, T, dh, device=x.device, dtype=torch.float32)
-    with _on_device(x):
-        # D_t = rowsum(dO_t * O_t)
-        _bwd_prep[(B * H, triton.cdiv(T, PREP_BLOCK))](o, do, delta, *o.stride(), *do.stride(), H, T, dh,
-                                                         BLOCK=PREP_BLOCK, DH=options["DH"])
-        # O = P V and P = softmax(q x^T / sqrt(dh)), from the side of the keys x: dv, and dk
-        _bwd_dkdv[_grid(x)](x, v, q, do, lse, delta, dk, dv, *x.stride(), *v.stride(), *do.stride(), *dk.stride(),
-                            *dv.stride(), H, T, dh, sm_scale, sm_scale * LOG2E, **options)
-        # the same, from the side of the queries: dq; then q = x m: dx = dk + dq m^T, dm = x^T dq
-        _bwd_dq[_grid(x)](x, m, v, q, do, lse, delta, dk, dx, dq_or_dm, *x.stride(), *_metric_strides(m),
-                          *v.stride(), *do.stride(), *dk.stride(), *dx.stride(),
-                          *(dm.stride()[:4] if per_token else (0, 0, 0, 0)),
-                          H, T, dh, sm_scale, sm_scale * LOG2E, PER_TOKEN=per_token, **options)
-    if not per_token:
+    (dx, dm, dv, dq_or_dm), launches = _backward_plan(do, x, m, v, o, lse, q)
+    _launch(launches, x)
+    if m.dim() == 3:
         dm.copy_(torch.einsum("bhtd,bhte->hde", x.float(), dq_or_dm))          # (H, dh, dh)
     return dx, dm, dv
 
