@@ -18,6 +18,7 @@ are relative to the largest entry: max |a - b| / max |b| (rel_err). The inputs (
 the torch path (torch_path) come from bench_triton_gpu.py, which checks the same on a GPU.
 """
 import dataclasses
+import json
 import math
 import os
 import subprocess
@@ -204,6 +205,23 @@ def test_torch_compile_traces_through_the_op():
     compiled = torch.compile(op, fullgraph=True, backend="aot_eager")
     for got, want in zip(output_and_grads(compiled, x, m, v, do), output_and_grads(op, x, m, v, do)):
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_bench_triton_gpu_smoke():
+    """python bench_triton_gpu.py --smoke: every section runs and prints JSON rows; its checks
+    pass and its train_char.py run with --kernel=triton exits 0."""
+    root = os.path.dirname(damcha_triton.__file__)
+    done = subprocess.run([sys.executable, "bench_triton_gpu.py", "--smoke"], capture_output=True, text=True,
+                          cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    kinds = [row["kind"] for row in rows]
+    assert kinds[0] == "setup" and kinds[-1] == "done" and {"check", "op", "model", "train"} <= set(kinds)
+    assert all(row["ok"] for row in rows if row["kind"] == "check")
+    assert all(row["fwd_ms"] > 0 for row in rows if row["kind"] == "op")
+    assert [row["rc"] for row in rows if row["kind"] == "train"] == [0]
+    agreement = next(row for row in rows if row.get("name") == "grad_agreement")
+    assert agreement["max_rel_err"] < GRAD_TOL
 
 
 @pytest.mark.parametrize("adaptive", [True, False], ids=["per_token", "static"])
