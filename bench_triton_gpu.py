@@ -1,46 +1,57 @@
 """
-bench_triton_gpu.py: the Triton DAMCHA attention (damcha_triton.py) against the torch path on a GPU:
-correctness, speed and peak memory, as one JSON line per measurement.
+bench_triton_gpu.py: the one-shot GPU check of the Triton DAMCHA attention (damcha_triton.py):
+correctness, speed and memory against the torch path, one JSON line per measurement, in under 6
+minutes on one H200 (each section stops early at its time budget and says what it skipped).
 
-    python bench_triton_gpu.py            # one CUDA GPU; a few minutes on an H200
-    python bench_triton_gpu.py --smoke    # tiny shapes on the CPU, through Triton's interpreter:
-                                          # checks that the script runs, measures nothing useful
+    python bench_triton_gpu.py              # one CUDA GPU
+    python bench_triton_gpu.py --smoke      # tiny shapes on the CPU through Triton's interpreter:
+                                            # checks that the script runs, measures nothing useful
+    python bench_triton_gpu.py --n_layer=4 --train_configs=config/enwik8.py,config/damcha.py
 
-Rows, in order:
-  setup   the device and versions.
-  check   per dtype (float32, bfloat16) and metric (per-token, static), at B=2, H=12, T=1024,
-          dh=64: the relative error (max |a - b| / max |b|) of o, dx, dm, dv against float64, for
-          the kernels and for the torch path (einsum + SDPA) on the same inputs, and "ok" by the
-          bar of tests/test_triton.py (float32: 1e-4 forward, 1e-3 gradients; 16-bit: no worse
-          than twice the torch path's error plus 1e-3).
-  op      the attention op alone at B=8, H=12, T=1024, dh=64: forward, and forward + backward,
-          in ms (median over alternating repetitions), the peak memory above the inputs, and the
-          ratios to the torch path.
-  model   one training step (forward, backward, fused AdamW) of the GPT at B=8, T=1024, D=768,
-          H=12, under bfloat16 autocast as train_char.py runs it: DAMCHA with kernel="torch" and
-          kernel="triton" (per-token and static metric), and MHA with SDPA; step time, peak
-          memory, the loss, and ratios to DAMCHA with kernel="torch" and to MHA.
-Variants of one table are timed in turn within each repetition (bench.time_alternately), so that
-clock and thermal drift fall on all of them alike. The inputs are drawn on the CPU from a seeded
-generator, the same on every device. tests/test_triton.py imports make_inputs and torch_path from
-here; importing this module runs nothing.
+Rows (kind=...), in order:
+  setup   device, versions, peaks used for bandwidth and MFU.
+  check   the op's output and gradients (o, dx, dm, dv) in float32 and bfloat16, per-token and
+          static metrics, at odd T (1000, 1023, 777) and dh in {8, 16, 48, 64, 128}: the relative
+          error (max |a - b| / max |b|) of the kernels and of the torch path (einsum + SDPA)
+          against float64, and ok by tests/test_triton.py's bar (float32: 1e-4 forward, 1e-3
+          gradients; 16-bit: no worse than twice the torch path plus 1e-3). One row checks
+          offsets past 2^31 (T = 8192, H = 24, dh = 128).
+  op      the op alone at B=8, H=12, T=1024, dh=64: forward and forward + backward in ms
+          (triton.testing.do_bench: CUDA events, median), the forward's effective bandwidth on m
+          (bytes of m / forward time) against the device's peak, ratios to the torch path.
+  model   one training step (forward, backward, fused AdamW; bf16 autocast as train_char.py) of
+          the GPT at B=8, T=1024, D=768, H=12: MHA, DAMCHA on the torch path and on Triton (its
+          generator width giving MHA's parameter count), eager and torch.compile'd: ms per step,
+          tokens/s, MFU, peak memory; then the bf16 gradient agreement of the two DAMCHA paths.
+  train   `python train_char.py <train_configs> --max_iters=30` on the bundled Shakespeare
+          (compile on, bf16), on the torch path and with --kernel=triton: exit status, wall time
+          and the last loss line.
+tests/test_triton.py imports make_inputs and torch_path from here; importing this module runs nothing.
 """
-import argparse
 import json
 import os
 import platform
-import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
-from bench import rel_err, time_alternately
-from damcha_torch import GPT, GPTConfig
+from configurator import configure, die
+from damcha_torch import GPT, GPTConfig, count_params, equal_params_width
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 METRICS = {"per_token": False, "static": True}
+DEFAULTS = dict(
+    smoke=False,                  # tiny shapes on the CPU, Triton's interpreter
+    n_layer=12,                   # layers of the GPT in the model rows
+    train_configs='config/enwik8_damcha.py',   # comma-separated config files for the train rows
+    train_iters=30,
+    budget_check=70, budget_op=50, budget_model=150, budget_train=70,   # seconds per section
+)
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # dense, per device name
 
 
 def make_inputs(B, H, T, dh, static, seed=0, dtype=torch.float32, device=DEVICE):
@@ -61,30 +72,25 @@ def torch_path(x, m, v):
     return F.scaled_dot_product_attention(q, x, v, is_causal=True)
 
 
+def rel_err(a, b):
+    """max |a - b| / max |b| in float64."""
+    a, b = a.detach().double(), b.detach().double().to(a.device)
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
 def emit(**row):
     print(json.dumps(row), flush=True)
 
 
-def sync():
+def time_ms(fn):
+    """Median ms of fn: CUDA events through triton.testing.do_bench on a GPU; wall time on a CPU."""
     if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def grad_inputs(B, H, T, dh, static, dtype, seed=0):
-    """make_inputs on DEVICE, with x, m and v leaves that require grad."""
-    x, m, v, do = make_inputs(B, H, T, dh, static, seed=seed, dtype=dtype)
-    return [x.requires_grad_(), m.requires_grad_(), v.requires_grad_(), do]
-
-
-def forward_backward(op, x, m, v, do):
-    o = op(x, m, v)
-    return (o, *torch.autograd.grad(o, (x, m, v), do))
-
-
-def median_ms(fns, reps, warmup):
-    """{name: fn} -> {name: median ms}, timed by bench.time_alternately."""
-    times = time_alternately(fns, reps, DEVICE, warmup=warmup)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    fn()
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
 
 
 def peak_mib(fn):
@@ -92,130 +98,215 @@ def peak_mib(fn):
     if DEVICE != "cuda":
         fn()
         return None
-    sync()
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     fn()
-    sync()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
 
 
-def ratio(a, b):
-    return None if a is None or b is None else round(a / b, 3)
+def forward_backward(op, x, m, v, do):
+    x, m, v = (t.detach().requires_grad_() for t in (x, m, v))
+    o = op(x, m, v)
+    return (o, *torch.autograd.grad(o, (x, m, v), do))
 
 
-def checks(impls, shape, dtypes):
+class Budget:
+    """A section's time budget: over() says when to stop, and the section reports what it skipped."""
+    def __init__(self, seconds):
+        self.end = time.time() + seconds
+
+    def over(self):
+        return time.time() > self.end
+
+
+def checks(op, shapes, dtypes, budget):
     names = ("o", "dx", "dm", "dv")
     for dtype in dtypes:
-        for metric, static in METRICS.items():
-            x, m, v, do = grad_inputs(**shape, static=static, dtype=dtype, seed=1)
-            exact = forward_backward(torch_path, *(t.detach().double().requires_grad_(t.requires_grad)
-                                                   for t in (x, m, v, do)))
-            got = {impl: forward_backward(op, x, m, v, do) for impl, op in impls.items()}
-            err = {impl: {n: rel_err(a, b) for n, a, b in zip(names, res, exact)} for impl, res in got.items()}
-            if dtype == torch.float32:
-                ok = all(err["triton"][n] < (1e-4 if n == "o" else 1e-3) for n in names)
-            else:
-                ok = all(err["triton"][n] < 2 * err["torch"][n] + 1e-3 for n in names)
-            emit(kind="check", dtype=str(dtype).split(".")[1], metric=metric, **shape, ok=ok,
-                 err_triton=err["triton"], err_torch=err["torch"],
-                 triton_vs_torch={n: rel_err(a, b) for n, a, b in zip(names, got["triton"], got["torch"])})
-            del exact, got
+        for B, H, T, dh in shapes:
+            for metric, static in METRICS.items():
+                row = dict(kind="check", dtype=str(dtype)[6:], metric=metric, B=B, H=H, T=T, dh=dh)
+                if budget.over():
+                    emit(**row, skipped="time budget")
+                    continue
+                x, m, v, do = make_inputs(B, H, T, dh, static, seed=T + dh, dtype=dtype)
+                exact = forward_backward(torch_path, *(t.double() for t in (x, m, v, do)))
+                got, ref = forward_backward(op, x, m, v, do), forward_backward(torch_path, x, m, v, do)
+                err = {n: rel_err(a, b) for n, a, b in zip(names, got, exact)}
+                err_torch = {n: rel_err(a, b) for n, a, b in zip(names, ref, exact)}
+                if dtype == torch.float32:
+                    ok = all(err[n] < (1e-4 if n == "o" else 1e-3) for n in names)
+                else:
+                    ok = all(err[n] < 2 * err_torch[n] + 1e-3 for n in names)
+                emit(**row, ok=ok, err_triton=err, err_torch=err_torch,
+                     triton_vs_torch={n: rel_err(a, b) for n, a, b in zip(names, got, ref)})
+                del exact, got, ref
 
 
-def op_rows(impls, shape, dtypes, reps, warmup):
+def check_large_offsets(op, budget):
+    """T * H * dh^2 > 2^31: the output and dm of the last 16 positions (the only ones with an output
+    gradient) against their float64 reference, their own queries against all keys."""
+    B, H, T, dh, R = 1, 24, 8192, 128, 16
+    row = dict(kind="check", dtype="bfloat16", metric="per_token", B=B, H=H, T=T, dh=dh, offsets_past_2_31=True)
+    if budget.over():
+        return emit(**row, skipped="time budget")
+    x, m, v, _ = make_inputs(B, H, T, dh, static=False, dtype=torch.bfloat16)
+    do = torch.zeros_like(x)
+    do[:, :, -R:] = torch.randn(B, H, R, dh, generator=torch.Generator().manual_seed(5)).to(do)
+    o, _, dm, _ = forward_backward(op, x, m, v, do)
+    xd, md = x.double(), m[:, -R:].double().requires_grad_()
+    scores = torch.einsum("bhtd,bthde->bhte", xd[:, :, -R:], md) @ xd.transpose(-1, -2) / dh ** 0.5
+    causal = torch.ones(R, T, dtype=torch.bool, device=x.device).triu(T - R + 1)
+    o_last = torch.softmax(scores.masked_fill(causal, float("-inf")), -1) @ v.double()
+    o_last.backward(do[:, :, -R:].double())
+    err = {"o": rel_err(o[:, :, -R:], o_last), "dm": rel_err(dm[:, -R:], md.grad)}
+    emit(**row, ok=err["o"] < 2e-2 and err["dm"] < 5e-2, err_triton=err)
+
+
+def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
+    B, H, T, dh = shape
     for dtype in dtypes:
         for metric, static in METRICS.items():
-            x, m, v, do = grad_inputs(**shape, static=static, dtype=dtype)
-            fwd = {impl: (lambda op=op: op(x, m, v)) for impl, op in impls.items()}
-            fwd_bwd = {impl: (lambda op=op: forward_backward(op, x, m, v, do)) for impl, op in impls.items()}
-            with torch.no_grad():
-                fwd_ms = median_ms(fwd, reps, warmup)
-            fwd_bwd_ms = median_ms(fwd_bwd, reps, warmup)
-            peak = {impl: peak_mib(fn) for impl, fn in fwd_bwd.items()}
-            for impl in impls:
-                emit(kind="op", impl=impl, dtype=str(dtype).split(".")[1], metric=metric, **shape,
-                     fwd_ms=round(fwd_ms[impl], 3), fwd_bwd_ms=round(fwd_bwd_ms[impl], 3),
-                     peak_mib=None if peak[impl] is None else round(peak[impl], 1),
-                     fwd_ratio_vs_torch=ratio(fwd_ms[impl], fwd_ms["torch"]),
-                     fwd_bwd_ratio_vs_torch=ratio(fwd_bwd_ms[impl], fwd_bwd_ms["torch"]),
-                     peak_ratio_vs_torch=ratio(peak[impl], peak["torch"]))
-            del x, m, v, do
+            row = dict(kind="op", dtype=str(dtype)[6:], metric=metric, B=B, H=H, T=T, dh=dh)
+            if budget.over():
+                emit(**row, skipped="time budget")
+                continue
+            x, m, v, do = make_inputs(B, H, T, dh, static, dtype=dtype)
+            ms = {}
+            for impl, op in ops.items():
+                with torch.no_grad():
+                    fwd = time_ms(lambda: op(x, m, v))
+                ms[impl] = fwd, time_ms(lambda: forward_backward(op, x, m, v, do))
+            m_bytes = m.numel() * m.element_size()
+            for impl, (fwd, fwd_bwd) in ms.items():
+                bandwidth = m_bytes / fwd * 1e3
+                emit(**row, impl=impl, fwd_ms=round(fwd, 3), fwd_bwd_ms=round(fwd_bwd, 3),
+                     fwd_speedup_vs_torch=round(ms["torch"][0] / fwd, 3),
+                     fwd_bwd_speedup_vs_torch=round(ms["torch"][1] / fwd_bwd, 3),
+                     m_GBps=round(bandwidth / 1e9, 1),
+                     m_bandwidth_vs_peak=None if peak_bandwidth is None else round(bandwidth / peak_bandwidth, 3),
+                     peak_mib=peak_mib(lambda: forward_backward(ops[impl], x, m, v, do)))
 
 
-def model_rows(model_shape, reps, warmup):
-    fields = {k: v for k, v in model_shape.items() if k != "B"}
-    variants = {"mha": dict(attn="mha"), "damcha/torch": dict(kernel="torch"),
-                "damcha_static/torch": dict(kernel="torch", adaptive=False),
-                "damcha/triton": dict(kernel="triton"),
-                "damcha_static/triton": dict(kernel="triton", adaptive=False)}
-    torch.manual_seed(0)
-    idx = torch.randint(fields["vocab_size"], (model_shape["B"], fields["block_size"]), device=DEVICE)
+def model_rows(fields, B, peak_flops, budget):
+    mha = dict(fields, attn="mha")
+    damcha = dict(fields, gen_width=equal_params_width(count_params(mha), fields))
+    variants = {"mha": mha, "damcha/torch": dict(damcha, kernel="torch"), "damcha/triton": dict(damcha, kernel="triton")}
+    idx = torch.randint(fields["vocab_size"], (B, fields["block_size"]), generator=torch.Generator().manual_seed(0))
+    idx = idx.to(DEVICE)
     autocast = torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda")
-    steps, losses = {}, {}
-    for name, variant in variants.items():
-        torch.manual_seed(0)          # one initialisation for the variants that share a layout
-        model = GPT(GPTConfig(**fields, **variant)).to(DEVICE)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
+    for compiled in (False, True):
+        for name, variant in variants.items():
+            row = dict(kind="model", name=name, compiled=compiled, B=B, params=count_params(variant), **fields)
+            if budget.over() or (compiled and DEVICE != "cuda"):
+                emit(**row, skipped="time budget" if DEVICE == "cuda" else "no GPU")
+                continue
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(**variant)).to(DEVICE)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
+            run = torch.compile(model) if compiled else model
 
-        def step(model=model, optimizer=optimizer, name=name):
-            with autocast:
-                _, loss = model(idx, idx)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if name not in losses:
-                losses[name] = loss.item()         # the first step's: before any update
+            def step():
+                with autocast:
+                    _, loss = run(idx, idx)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
 
-        steps[name] = step
-    step_ms = median_ms(steps, reps, warmup)
-    peak = {name: peak_mib(step) for name, step in steps.items()}
-    total = torch.cuda.max_memory_allocated() / 2**20 if DEVICE == "cuda" else None
-    for name in variants:
-        emit(kind="model", name=name, **model_shape, step_ms=round(step_ms[name], 2),
-             step_peak_mib=None if peak[name] is None else round(peak[name], 1), loss=round(losses[name], 5),
-             step_ratio_vs_damcha_torch=ratio(step_ms[name], step_ms["damcha/torch"]),
-             step_ratio_vs_mha=ratio(step_ms[name], step_ms["mha"]),
-             peak_ratio_vs_damcha_torch=ratio(peak[name], peak["damcha/torch"]),
-             peak_ratio_vs_mha=ratio(peak[name], peak["mha"]))
-    emit(kind="model", all_models_peak_mib=total)
+            start = time.time()
+            step()                                               # compiles, if compiled
+            first_s = time.time() - start
+            ms = time_ms(step)
+            tokens = B * fields["block_size"]
+            flops = model.flops_per_token() * tokens / (ms / 1e3)
+            emit(**row, ms_per_step=round(ms, 2), tokens_per_s=round(tokens / ms * 1e3),
+                 mfu=None if peak_flops is None else round(flops / peak_flops, 3),
+                 peak_mib=peak_mib(step), first_step_s=round(first_s, 1))
+            del model, optimizer, run
+    if budget.over():
+        return emit(kind="model", name="grad_agreement", skipped="time budget")
+    grads = {}
+    for kernel in ("torch", "triton"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**dict(damcha, kernel=kernel))).to(DEVICE)
+        with autocast:
+            _, loss = model(idx, idx)
+        loss.backward()
+        grads[kernel] = {n: p.grad for n, p in model.named_parameters()}
+    errs = {n: rel_err(grads["triton"][n], g) for n, g in grads["torch"].items()}
+    worst = max(errs, key=errs.get)
+    emit(kind="model", name="grad_agreement", dtype="bfloat16" if DEVICE == "cuda" else "float32",
+         max_rel_err=errs[worst], worst_param=worst, median_rel_err=sorted(errs.values())[len(errs) // 2])
+
+
+def train_rows(config_files, iters, smoke, budget):
+    # smoke: the triton path only (tests/test_train.py runs the torch one), a 1-layer model
+    for kernel in ("triton",) if smoke else ("torch", "triton"):
+        row = dict(kind="train", kernel=kernel, configs=config_files, iters=iters)
+        if budget.over():
+            emit(**row, skipped="time budget")
+            continue
+        with tempfile.TemporaryDirectory() as out_dir:
+            argv = [sys.executable, "train_char.py", *config_files, "--dataset=shakespeare", f"--max_iters={iters}",
+                    f"--lr_decay_iters={iters}", "--warmup_iters=0", f"--eval_interval={iters}", "--eval_iters=1",
+                    "--log_interval=10", f"--out_dir={out_dir}", f"--kernel={kernel}"]
+            if smoke:
+                argv += ["--device=cpu", "--compile=False", "--n_layer=1", "--n_embd=32", "--n_head=2",
+                         "--block_size=16", "--batch_size=2", "--dropout=0.0", "--gen_width=16"]
+            env = dict(os.environ, TRITON_INTERPRET="1") if smoke else os.environ
+            start = time.time()
+            try:
+                done = subprocess.run(argv, capture_output=True, text=True, env=env,
+                                      cwd=os.path.dirname(os.path.abspath(__file__)),
+                                      timeout=max(10.0, budget.end - time.time() + 30))
+            except subprocess.TimeoutExpired:
+                emit(**row, skipped="time budget: stopped", wall_s=round(time.time() - start, 1))
+                continue
+            lines = [line for line in (done.stdout + done.stderr).splitlines() if "loss" in line or "rror" in line]
+            emit(**row, rc=done.returncode, wall_s=round(time.time() - start, 1), tail=lines[-3:])
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 20; smoke 2)")
-    parser.add_argument("--n_layer", type=int, default=12, help="layers of the GPT in the model rows")
-    args = parser.parse_args(argv)
-    if DEVICE == "cpu" and not args.smoke:
-        sys.exit("no CUDA GPU: run with --smoke to check the script on the CPU")
+    cfg, _ = configure(DEFAULTS, argv, positive=("n_layer", "train_iters"), doc=__doc__)
+    smoke = cfg["smoke"]
+    if DEVICE == "cpu" and not smoke:
+        die("no CUDA GPU: run with --smoke to check the script on the CPU")
     # the interpreter must be chosen before damcha_triton defines its kernels, hence the late imports
-    if args.smoke and DEVICE == "cpu":
+    if smoke and DEVICE == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton
     from damcha_triton import damcha_attention
 
-    reps = args.reps or (2 if args.smoke else 20)
-    warmup = 1 if args.smoke else 3
-    if args.smoke:
-        check = dict(B=1, H=2, T=20, dh=16)
-        op = dict(B=1, H=2, T=20, dh=16)
-        model = dict(B=2, vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=32, gen_width=16)
-        dtypes = [torch.float32]                        # the interpreter runs float32 only
-    else:
-        check = dict(B=2, H=12, T=1024, dh=64)
-        op = dict(B=8, H=12, T=1024, dh=64)
-        model = dict(B=8, vocab_size=65, block_size=1024, n_layer=args.n_layer, n_head=12, n_embd=768, gen_width=64)
-        dtypes = [torch.float32, torch.bfloat16]
-    impls = {"torch": torch_path, "triton": damcha_attention}
-
     t0 = time.time()
-    emit(kind="setup", device=torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor() or "cpu",
-         smoke=args.smoke, torch=torch.__version__, triton=triton.__version__, reps=reps,
-         allow_tf32=torch.backends.cuda.matmul.allow_tf32)
-    checks(impls, check, dtypes)
-    op_rows(impls, op, dtypes, reps, warmup)
-    model_rows(model, reps, warmup)
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor() or "cpu"
+    peak_bandwidth = peak_flops = None
+    if DEVICE == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+        peak_bandwidth = 2 * clock_khz * 1e3 * bus_bits / 8 or None          # DDR: two transfers a clock
+        peak_flops = next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None)
+    emit(kind="setup", device=name, smoke=smoke, torch=torch.__version__, triton=triton.__version__,
+         peak_GBps=None if peak_bandwidth is None else round(peak_bandwidth / 1e9), peak_bf16_flops=peak_flops)
+    if smoke:
+        check_shapes, dtypes = [(1, 2, 20, 8), (1, 2, 19, 12)], [torch.float32]
+        op_shape = (1, 2, 20, 16)
+        fields = dict(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=32)
+        B = 2
+    else:
+        check_shapes = [(1, 4, 1000, 8), (1, 4, 1023, 16), (1, 4, 777, 48), (1, 4, 1000, 64), (1, 4, 1023, 128)]
+        dtypes = [torch.float32, torch.bfloat16]
+        op_shape = (8, 12, 1024, 64)
+        fields = dict(vocab_size=65, block_size=1024, n_layer=cfg["n_layer"], n_head=12, n_embd=768)
+        B = 8
+    budget = Budget(cfg["budget_check"])
+    if not smoke:
+        check_large_offsets(damcha_attention, budget)
+    checks(damcha_attention, check_shapes, dtypes, budget)
+    op_rows({"torch": torch_path, "triton": damcha_attention}, op_shape, dtypes, peak_bandwidth, Budget(cfg["budget_op"]))
+    model_rows(fields, B, peak_flops, Budget(cfg["budget_model"]))
+    train_rows(cfg["train_configs"].split(","), 2 if smoke else cfg["train_iters"], smoke,
+               Budget(3 * cfg["budget_train"] if smoke else cfg["budget_train"]))     # the CPU is slower
     emit(kind="done", wall_s=round(time.time() - t0, 1))
 
 

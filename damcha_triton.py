@@ -9,10 +9,11 @@ hand-written flash-attention-2 style backward pass.
     o  (B, H, T, dh)   = F.scaled_dot_product_attention(q, x, v, is_causal=True), q[b, h, t] = x[b, h, t] @ m
 
 The forward kernel forms each query q_t = x_t m_t from the tile of m it loads for its block of
-positions, then runs causal attention with an online softmax: neither q nor the (B, H, T, T) scores
-ever reach global memory; it keeps the row logsumexp, from which the backward recomputes the
-attention probabilities block by block (Dao, "FlashAttention-2", 2023). The backward recomputes q
-once into a (B, H, T, dh) buffer and writes dm, as large as m for per-token metrics.
+positions, then runs causal attention with an online softmax: the (B, H, T, T) scores never reach
+global memory; it keeps the row logsumexp, from which the backward recomputes the attention
+probabilities block by block (Dao, "FlashAttention-2", 2023), and q (B, H, T, dh), 1/dh the size
+of m, so that the backward reads m once only, where it forms dx and dm. dm is as large as m for
+per-token metrics.
 
 Constraints (damcha_attention raises ValueError outside them): 1 <= dh <= 128, a power of two or
 not (the kernels pad the feature axis to DH, the next power of two >= 16, as tl.dot needs K >= 16);
@@ -21,11 +22,19 @@ to its dtype); CUDA tensors, or CPU float32 tensors under Triton's interpreter, 
 same kernels in Python. The interpreter is chosen by TRITON_INTERPRET=1 in the environment when
 this module is imported (tests/test_triton.py sets it itself when there is no GPU):
     python -m pytest -q tests/test_triton.py         # the checks: interpreter on a CPU, or the GPU
+    python -m pytest -q tests/test_sm90_compile.py   # every kernel compiled for sm_90, no GPU needed
     python bench_triton_gpu.py                       # correctness, speed and memory on a GPU
-float32 products are IEEE float32 unless torch.backends.cuda.matmul.allow_tf32 is set; then they
-are TF32, as torch's float32 matmuls are.
+float32 products are IEEE float32 unless torch's float32 matmul precision allows TF32
+(torch.backends.cuda.matmul.fp32_precision = "tf32", or the older allow_tf32); then they are TF32,
+as torch's float32 matmuls are.
+
+The op is a torch.library custom op (damcha::attention, with its backward damcha::attention_backward),
+so torch.compile(fullgraph=True) traces a model through it without a graph break. Needs Triton >= 3.0
+(tl.dot's input_precision), hence torch >= 2.4, the first release built with it.
 """
+import contextlib
 import math
+import os
 
 import torch
 import triton
@@ -33,37 +42,101 @@ import triton.language as tl
 
 LOG2E = math.log2(math.e)     # the kernels use exp2: exp(s) = exp2(s * log2(e))
 MAX_DH = 128                  # beyond this the (BLOCK, DH) float32 tiles outgrow the registers
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")   # as Triton reads it
+M_STAGES = tl.constexpr(3)    # loads of m in flight in the loops over its rows (software pipelining)
 
 
 # ----------------------------------------------------------------------------------------------
-# Building blocks shared by the kernels
+# Autotuning. Each kernel tries a few tiles and warp counts per (dh, T, dtype) on its first launch
+# and keeps the fastest. 16-bit tiles are larger: their dots run on the tensor cores and their
+# tiles take half the registers. The float32 dots in IEEE mode run on the CUDA cores with about
+# twice the registers: float32 is for checking, not speed. tests/test_sm90_compile.py compiles every
+# config kept here for sm_90 and checks that none spills registers in 16-bit. Under the interpreter,
+# one config, with blocks of 16 so that small tests cross several blocks.
+
+def _configs(*options):
+    if INTERPRETED:
+        return [triton.Config({"BLOCK": 16}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK": block}, num_warps=warps, num_stages=stages) for block, warps, stages in options]
+
+
+def _keep_for_dtype(configs, named_args, **kwargs):
+    """The configs for x's dtype and the padded head size DH: BLOCK >= 64 for 16-bit, <= 32 for
+    float32; at DH = 128 only the configs that fit the registers (8 warps for 16-bit, BLOCK = 16
+    for float32; ptxas spills the others, tests/test_sm90_compile.py)."""
+    wide = named_args["x_ptr"].dtype.itemsize == 4
+    kept = [c for c in configs if (c.kwargs["BLOCK"] <= 32) == wide]
+    if kwargs["DH"] == 128:
+        kept = [c for c in kept if (c.kwargs["BLOCK"] == 16 if wide else c.kwargs["BLOCK"] == 64 and c.num_warps == 8)]
+    return kept
+
+
+def _autotune(*options):
+    return triton.autotune(configs=_configs(*options), key=["dh", "T"],
+                           prune_configs_by={"early_config_prune": _keep_for_dtype})
+
+
+# (BLOCK, num_warps, num_stages): 16-bit first, then float32
+FWD_CONFIGS = ((64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 8, 2), (16, 4, 2))
+BWD_CONFIGS = ((64, 4, 3), (64, 8, 2), (32, 8, 2), (16, 4, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks shared by the kernels. Offsets are 64-bit: the row offsets into m and dm reach
+# T * H * dh^2, over 2^31 at T = 8192, D = 2048.
 
 @triton.jit
 def _load_rows(base, rows, cols, stride_t, stride_d, T, dh):
     # rows (R,) of a (T, dh) matrix at base -> (R, DH); positions >= T and features >= dh read 0,
     # so the zero padding adds nothing to any dot product below
-    return tl.load(base + rows[:, None] * stride_t + cols[None, :] * stride_d,
+    return tl.load(base + rows.to(tl.int64)[:, None] * stride_t + cols[None, :] * stride_d,
                    mask=(rows < T)[:, None] & (cols < dh)[None, :], other=0.0)
 
 
 @triton.jit
 def _store_rows(base, tile, rows, cols, stride_t, stride_d, T, dh):
-    tl.store(base + rows[:, None] * stride_t + cols[None, :] * stride_d, tile.to(base.dtype.element_ty),
-             mask=(rows < T)[:, None] & (cols < dh)[None, :])
+    tl.store(base + rows.to(tl.int64)[:, None] * stride_t + cols[None, :] * stride_d,
+             tile.to(base.dtype.element_ty), mask=(rows < T)[:, None] & (cols < dh)[None, :])
+
+
+@triton.jit
+def _program(H, T, BLOCK: tl.constexpr):
+    # one program per (b * H + h, block of positions): b * H + h on grid axis 0, which CUDA allows
+    # up to 2^31 - 1 (axes 1 and 2 stop at 65,535); the blocks in reverse, the longest causal rows
+    # first, so that the short ones fill in at the end
+    bh = tl.program_id(0).to(tl.int64)
+    start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK
+    return bh, bh // H, bh % H, start
+
+
+@triton.jit
+def _row_pointers(x_base, m_base, rows, cols, stride_xt, stride_mt, stride_me, T, dh):
+    # for the loops over the rows d of the per-token metrics: x_t[0] (BLOCK,) and m_t[0, :]
+    # (BLOCK, DH) of each position, which row d offsets by d * stride, and the masks
+    rows64 = rows.to(tl.int64)
+    row_ok = rows < T
+    return (x_base + rows64 * stride_xt, m_base + rows64[:, None] * stride_mt + cols[None, :] * stride_me,
+            row_ok, row_ok[:, None] & (cols < dh)[None, :])
 
 
 @triton.jit
 def _metric_query(x_base, m_base, rows, cols, stride_xt, stride_xd, stride_mt, stride_md, stride_me,
-                  T, dh, BLOCK: tl.constexpr, DH: tl.constexpr):
-    # Eq. 5, the query side: q_t = x_t @ m_t for the positions `rows` -> (BLOCK, DH) in float32.
-    # Every position has its own (dh, dh) matrix, so this is a batch of vector-matrix products,
-    # not a matmul: it walks the rows d of m_t, q_t += x_t[d] m_t[d, :]. A static metric is the
-    # same loop with m's strides over b and t set to 0.
-    q = tl.zeros((BLOCK, DH), dtype=tl.float32)
-    for d in range(dh):
-        x_d = tl.load(x_base + rows * stride_xt + d * stride_xd, mask=rows < T, other=0.0)   # (BLOCK,) x_t[d]
-        m_d = _load_rows(m_base + d * stride_md, rows, cols, stride_mt, stride_me, T, dh)     # (BLOCK, DH) m_t[d, :]
-        q += x_d.to(tl.float32)[:, None] * m_d.to(tl.float32)
+                  T, dh, BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+    # Eq. 5, the query side: q_t = x_t @ m_t for the positions `rows` -> (BLOCK, DH) in float32
+    if PER_TOKEN:
+        # every position has its own (dh, dh) matrix: a batch of vector-matrix products, not a
+        # matmul. Walk the rows d of m_t, q_t += x_t[d] m_t[d, :], M_STAGES loads ahead
+        x_ptrs, m_ptrs, row_ok, mask = _row_pointers(x_base, m_base, rows, cols, stride_xt, stride_mt, stride_me, T, dh)
+        q = tl.zeros((BLOCK, DH), dtype=tl.float32)
+        for d in tl.range(0, dh, num_stages=M_STAGES):
+            x_d = tl.load(x_ptrs + d * stride_xd, mask=row_ok, other=0.0)                  # (BLOCK,) x_t[d]
+            m_d = tl.load(m_ptrs + d * stride_md, mask=mask, other=0.0)                    # (BLOCK, DH) m_t[d, :]
+            q += x_d.to(tl.float32)[:, None] * m_d.to(tl.float32)
+    else:
+        # one (dh, dh) matrix for the head: one matmul
+        x = _load_rows(x_base, rows, cols, stride_xt, stride_xd, T, dh)                      # (BLOCK, DH)
+        m = _load_rows(m_base, cols, cols, stride_md, stride_me, dh, dh)                      # (DH, DH)
+        q = tl.dot(x, m, input_precision=PRECISION)
     return q
 
 
@@ -93,24 +166,24 @@ def _fwd_block(q, row_max, row_sum, acc, x_base, v_base, rows, start_n, cols, st
     return new_max, row_sum, acc
 
 
+@_autotune(*FWD_CONFIGS)
 @triton.jit
-def _attn_fwd(x_ptr, m_ptr, v_ptr, o_ptr, lse_ptr,
+def _attn_fwd(x_ptr, m_ptr, v_ptr, o_ptr, lse_ptr, q_ptr,
               stride_xb, stride_xh, stride_xt, stride_xd,
               stride_mb, stride_mt, stride_mh, stride_md, stride_me,
               stride_vb, stride_vh, stride_vt, stride_vd,
               stride_ob, stride_oh, stride_ot, stride_od,
               H, T, dh, qk_scale,
-              BLOCK: tl.constexpr, DH: tl.constexpr, PRECISION: tl.constexpr):
-    # one program per (query block, b * H + h)
-    start_m = tl.program_id(0) * BLOCK
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
+              BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+    bh, b, h, start_m = _program(H, T, BLOCK)
+    rows = start_m + tl.arange(0, BLOCK)
     x_base = x_ptr + b * stride_xb + h * stride_xh
     v_base = v_ptr + b * stride_vb + h * stride_vh
-    rows = start_m + tl.arange(0, BLOCK)
     cols = tl.arange(0, DH)
     q = _metric_query(x_base, m_ptr + b * stride_mb + h * stride_mh, rows, cols, stride_xt, stride_xd,
-                      stride_mt, stride_md, stride_me, T, dh, BLOCK, DH).to(x_ptr.dtype.element_ty)
+                      stride_mt, stride_md, stride_me, T, dh, BLOCK, DH, PER_TOKEN, PRECISION).to(x_ptr.dtype.element_ty)
+    # q, rounded as the dots below use it, for the backward: (B*H, T, dh) contiguous
+    _store_rows(q_ptr + bh * T * dh, q, rows, cols, dh, 1, T, dh)
     row_max = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK,), dtype=tl.float32)
     acc = tl.zeros((BLOCK, DH), dtype=tl.float32)
@@ -133,28 +206,18 @@ def _attn_fwd(x_ptr, m_ptr, v_ptr, o_ptr, lse_ptr,
 # Backward. With P = softmax(S) and dO the output gradient, from O = P V and S = q k^T / sqrt(dh):
 #   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D) where D_t = rowsum(dO_t * O_t) = sum_s P_ts dP_ts,
 #   dq = dS k / sqrt(dh),  dk = dS^T q / sqrt(dh).
-# Three kernels: _bwd_prep (q and D once), _bwd_dkdv (one program per key block, looping over the
-# queries that see it), _bwd_dq (one program per query block, looping over its keys, then through
-# q = x m to dx and dm). dx collects two parts, x being both the keys and the queries' input.
+# Three kernels: _bwd_prep (D), _bwd_dkdv (one program per key block, looping over the queries
+# that see it), _bwd_dq (one program per query block, looping over its keys, then through q = x m
+# to dx and dm). dx collects two parts, x being both the keys and the queries' input.
 
 @triton.jit
-def _bwd_prep(x_ptr, m_ptr, o_ptr, do_ptr, q_ptr, delta_ptr,
-              stride_xb, stride_xh, stride_xt, stride_xd,
-              stride_mb, stride_mt, stride_mh, stride_md, stride_me,
+def _bwd_prep(o_ptr, do_ptr, delta_ptr,
               stride_ob, stride_oh, stride_ot, stride_od,
               stride_dob, stride_doh, stride_dot, stride_dod,
               H, T, dh, BLOCK: tl.constexpr, DH: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
+    bh, b, h, start_m = _program(H, T, BLOCK)
     rows = start_m + tl.arange(0, BLOCK)
     cols = tl.arange(0, DH)
-    # q = x m once for the whole backward, into a (B*H, T, DH) buffer in x's dtype, rounded as the
-    # forward rounded it: _bwd_dkdv needs every query block for each key block, and recomputing q
-    # there would reread m (dh times the size of x) once per key block
-    q = _metric_query(x_ptr + b * stride_xb + h * stride_xh, m_ptr + b * stride_mb + h * stride_mh, rows, cols,
-                      stride_xt, stride_xd, stride_mt, stride_md, stride_me, T, dh, BLOCK, DH)
-    _store_rows(q_ptr + bh * T * DH, q, rows, cols, DH, 1, T, DH)
     o = _load_rows(o_ptr + b * stride_ob + h * stride_oh, rows, cols, stride_ot, stride_od, T, dh)
     do = _load_rows(do_ptr + b * stride_dob + h * stride_doh, rows, cols, stride_dot, stride_dod, T, dh)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)            # D_t = rowsum(dO_t * O_t)
@@ -164,11 +227,11 @@ def _bwd_prep(x_ptr, m_ptr, o_ptr, do_ptr, q_ptr, delta_ptr,
 @triton.jit
 def _bwd_dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, keys, start_m, cols,
                     stride_dot, stride_dod, T, dh, qk_scale,
-                    BLOCK: tl.constexpr, DH: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     # the contributions of queries start_m .. start_m + BLOCK to this key block's dk and dv, worked
     # in transposed form (keys along rows) so that both land as (keys, DH) tiles
     rows = start_m + tl.arange(0, BLOCK)
-    q = _load_rows(q_base, rows, cols, DH, 1, T, DH)                              # (BLOCK, DH)
+    q = _load_rows(q_base, rows, cols, dh, 1, T, dh)                              # (BLOCK, DH)
     do = _load_rows(do_base, rows, cols, stride_dot, stride_dod, T, dh)           # (BLOCK, DH)
     lse = tl.load(lse_base + rows, mask=rows < T, other=float("inf"))             # padded queries: P = 0
     delta = tl.load(delta_base + rows, mask=rows < T, other=0.0)
@@ -183,35 +246,33 @@ def _bwd_dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, keys, s
     return dk, dv
 
 
+@_autotune(*BWD_CONFIGS)
 @triton.jit
-def _bwd_dkdv(x_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dx_ptr, dv_ptr,
+def _bwd_dkdv(x_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
               stride_xb, stride_xh, stride_xt, stride_xd,
               stride_vb, stride_vh, stride_vt, stride_vd,
               stride_dob, stride_doh, stride_dot, stride_dod,
-              stride_dxb, stride_dxh, stride_dxt, stride_dxd,
+              stride_dkb, stride_dkh, stride_dkt, stride_dkd,
               stride_dvb, stride_dvh, stride_dvt, stride_dvd,
               H, T, dh, sm_scale, qk_scale,
               BLOCK: tl.constexpr, DH: tl.constexpr, PRECISION: tl.constexpr):
-    # one program per (key block, b * H + h)
-    start_n = tl.program_id(0) * BLOCK
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
+    bh, b, h, start_n = _program(H, T, BLOCK)                           # a block of keys
     keys = start_n + tl.arange(0, BLOCK)
     cols = tl.arange(0, DH)
     k = _load_rows(x_ptr + b * stride_xb + h * stride_xh, keys, cols, stride_xt, stride_xd, T, dh)
     v = _load_rows(v_ptr + b * stride_vb + h * stride_vh, keys, cols, stride_vt, stride_vd, T, dh)
     dk = tl.zeros((BLOCK, DH), dtype=tl.float32)
     dv = tl.zeros((BLOCK, DH), dtype=tl.float32)
-    q_base = q_ptr + bh * T * DH
+    q_base = q_ptr + bh * T * dh
     do_base = do_ptr + b * stride_dob + h * stride_doh
     # causality: only queries t >= start_n see these keys; the diagonal block needs the mask
     dk, dv = _bwd_dkdv_block(dk, dv, k, v, q_base, do_base, lse_ptr + bh * T, delta_ptr + bh * T, keys, start_n,
-                             cols, stride_dot, stride_dod, T, dh, qk_scale, BLOCK, DH, True, PRECISION)
+                             cols, stride_dot, stride_dod, T, dh, qk_scale, BLOCK, True, PRECISION)
     for start_m in range(start_n + BLOCK, T, BLOCK):
         dk, dv = _bwd_dkdv_block(dk, dv, k, v, q_base, do_base, lse_ptr + bh * T, delta_ptr + bh * T, keys,
-                                 start_m, cols, stride_dot, stride_dod, T, dh, qk_scale, BLOCK, DH, False, PRECISION)
+                                 start_m, cols, stride_dot, stride_dod, T, dh, qk_scale, BLOCK, False, PRECISION)
     # the 1/sqrt(dh) of S, applied once; dk is the key side of dx, to which _bwd_dq adds the query side
-    _store_rows(dx_ptr + b * stride_dxb + h * stride_dxh, dk * sm_scale, keys, cols, stride_dxt, stride_dxd, T, dh)
+    _store_rows(dk_ptr + b * stride_dkb + h * stride_dkh, dk * sm_scale, keys, cols, stride_dkt, stride_dkd, T, dh)
     _store_rows(dv_ptr + b * stride_dvb + h * stride_dvh, dv, keys, cols, stride_dvt, stride_dvd, T, dh)
 
 
@@ -232,26 +293,24 @@ def _bwd_dq_block(dq, q, do, lse, delta, x_base, v_base, rows, start_n, cols,
     return dq
 
 
+@_autotune(*BWD_CONFIGS)
 @triton.jit
-def _bwd_dq(x_ptr, m_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dx_ptr, dm_ptr,
+def _bwd_dq(x_ptr, m_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dx_ptr, dm_ptr,
             stride_xb, stride_xh, stride_xt, stride_xd,
             stride_mb, stride_mt, stride_mh, stride_md, stride_me,
             stride_vb, stride_vh, stride_vt, stride_vd,
             stride_dob, stride_doh, stride_dot, stride_dod,
+            stride_dkb, stride_dkh, stride_dkt, stride_dkd,
             stride_dxb, stride_dxh, stride_dxt, stride_dxd,
             stride_dmb, stride_dmt, stride_dmh, stride_dmd,
             H, T, dh, sm_scale, qk_scale,
             BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
-    # one program per (query block, b * H + h)
-    pid_m = tl.program_id(0)
-    start_m = pid_m * BLOCK
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
+    bh, b, h, start_m = _program(H, T, BLOCK)                           # a block of queries
     rows = start_m + tl.arange(0, BLOCK)
     cols = tl.arange(0, DH)
     x_base = x_ptr + b * stride_xb + h * stride_xh
     v_base = v_ptr + b * stride_vb + h * stride_vh
-    q = _load_rows(q_ptr + bh * T * DH, rows, cols, DH, 1, T, DH)
+    q = _load_rows(q_ptr + bh * T * dh, rows, cols, dh, 1, T, dh)
     do = _load_rows(do_ptr + b * stride_dob + h * stride_doh, rows, cols, stride_dot, stride_dod, T, dh)
     lse = tl.load(lse_ptr + bh * T + rows, mask=rows < T, other=float("inf"))
     delta = tl.load(delta_ptr + bh * T + rows, mask=rows < T, other=0.0)
@@ -262,49 +321,54 @@ def _bwd_dq(x_ptr, m_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dx_ptr, dm_p
     dq = _bwd_dq_block(dq, q, do, lse, delta, x_base, v_base, rows, start_m, cols, stride_xt, stride_xd,
                        stride_vt, stride_vd, T, dh, qk_scale, BLOCK, True, PRECISION)
     dq = dq * sm_scale                                          # (BLOCK, DH), with the 1/sqrt(dh) of S
-    # Eq. 5, q_t = x_t m_t, row by row of m_t:
-    #   dx_t[d] = sum_e dq_t[e] m_t[d, e]   (dx_t = dq_t m_t^T)
-    #   dm_t[d, :] = x_t[d] dq_t            (dm_t = x_t^T dq_t, an outer product per position)
-    # A static metric is shared by every (b, t): its gradient is the sum of those outer products,
-    # here summed over this block's positions (sum_t x_t[d] dq_t) and stored as one partial per
-    # (b, h, query block) for damcha_attention to add up in a fixed order (no atomics).
+    # Eq. 5, q_t = x_t m_t:  dx_t = dq_t m_t^T (the query side of dx),  dm_t = x_t^T dq_t
     m_base = m_ptr + b * stride_mb + h * stride_mh
-    dx_query = tl.zeros((BLOCK, DH), dtype=tl.float32)
-    for d in range(dh):
-        m_d = _load_rows(m_base + d * stride_md, rows, cols, stride_mt, stride_me, T, dh).to(tl.float32)
-        dx_query = tl.where(cols[None, :] == d, tl.sum(dq * m_d, 1)[:, None], dx_query)
-        x_d = tl.load(x_base + rows * stride_xt + d * stride_xd, mask=rows < T, other=0.0).to(tl.float32)
-        if PER_TOKEN:
-            _store_rows(dm_ptr + b * stride_dmb + h * stride_dmh + d * stride_dmd, x_d[:, None] * dq, rows, cols,
-                        stride_dmt, 1, T, dh)
-        else:
-            tl.store(dm_ptr + ((bh * tl.num_programs(0) + pid_m) * dh + d) * dh + cols,
-                     tl.sum(x_d[:, None] * dq, 0), mask=cols < dh)
-    # x is the keys and the queries' input: dx = dk (already in dx, from _bwd_dkdv) + dq m^T
-    dx_base = dx_ptr + b * stride_dxb + h * stride_dxh
-    dk = _load_rows(dx_base, rows, cols, stride_dxt, stride_dxd, T, dh)
-    _store_rows(dx_base, dk + dx_query, rows, cols, stride_dxt, stride_dxd, T, dh)
+    if PER_TOKEN:
+        # row by row of m_t, M_STAGES loads ahead:
+        #   dx_t[d] = sum_e dq_t[e] m_t[d, e],   dm_t[d, :] = x_t[d] dq_t (an outer product per position)
+        x_ptrs, m_ptrs, row_ok, mask = _row_pointers(x_base, m_base, rows, cols, stride_xt, stride_mt, stride_me, T, dh)
+        dm_ptrs = dm_ptr + b * stride_dmb + h * stride_dmh + rows.to(tl.int64)[:, None] * stride_dmt + cols[None, :]
+        dx_query = tl.zeros((BLOCK, DH), dtype=tl.float32)
+        for d in tl.range(0, dh, num_stages=M_STAGES):
+            m_d = tl.load(m_ptrs + d * stride_md, mask=mask, other=0.0).to(tl.float32)    # (BLOCK, DH) m_t[d, :]
+            dx_query = tl.where(cols[None, :] == d, tl.sum(dq * m_d, 1)[:, None], dx_query)
+            x_d = tl.load(x_ptrs + d * stride_xd, mask=row_ok, other=0.0).to(tl.float32)  # (BLOCK,) x_t[d]
+            tl.store(dm_ptrs + d * stride_dmd, (x_d[:, None] * dq).to(dm_ptr.dtype.element_ty), mask=mask)
+    else:
+        # one matrix per head: dx = dq m^T is one matmul. dm = sum over (b, t) of x_t^T dq_t: dq goes
+        # to dm_ptr, a float32 (B*H, T, dh) buffer, and damcha_attention takes that sum as one matmul
+        # (dq rounded to the inputs' dtype, as torch's 16-bit path rounds it: a 16-bit tensor-core dot)
+        m = _load_rows(m_base, cols, cols, stride_md, stride_me, dh, dh)                      # (DH, DH)
+        dx_query = tl.dot(dq.to(m.dtype), tl.trans(m), input_precision=PRECISION)
+        _store_rows(dm_ptr + bh * T * dh, dq, rows, cols, dh, 1, T, dh)
+    # x is the keys and the queries' input: dx = dk (from _bwd_dkdv) + dq m^T
+    dk = _load_rows(dk_ptr + b * stride_dkb + h * stride_dkh, rows, cols, stride_dkt, stride_dkd, T, dh)
+    _store_rows(dx_ptr + b * stride_dxb + h * stride_dxh, dk + dx_query, rows, cols, stride_dxt, stride_dxd, T, dh)
 
 
 # ----------------------------------------------------------------------------------------------
 # The op
 
-INTERPRETED = not isinstance(_attn_fwd, triton.runtime.JITFunction)   # TRITON_INTERPRET=1 at import
+PREP_BLOCK = 16 if INTERPRETED else 64
 
 
-def _launch(x, block):
-    """(grid, kernel options) for x (B, H, T, dh): one program per block of positions and (b, h);
-    the feature axis padded to DH, a power of two >= 16 (tl.dot's smallest K). The defaults keep
-    the 16-bit kernels free of register spills on sm_90 for dh <= 128 (ptxas, Triton 3.9). float32
-    in IEEE mode does its dots on the CUDA cores, with about twice the registers, hence the smaller
-    tiles (its dq kernel still spills a little at dh = 64): float32 is for checking, not speed."""
+def _options(x):
+    """The kernels' shared constants for x (B, H, T, dh): DH, the feature axis padded to a power of
+    two >= 16 (tl.dot's smallest K), and the precision of float32 dots."""
+    return dict(DH=max(16, triton.next_power_of_2(x.shape[-1])), PRECISION=_precision(x.dtype))
+
+
+def _grid(x):
     B, H, T, dh = x.shape
-    DH = max(16, triton.next_power_of_2(dh))
-    if x.dtype == torch.float32:
-        options = dict(BLOCK=block or 32, num_warps=8, num_stages=2)
-    else:
-        options = dict(BLOCK=block or 64, num_warps=4 if DH <= 64 else 8, num_stages=3)
-    return (triton.cdiv(T, options["BLOCK"]), B * H), dict(options, DH=DH)
+    return lambda meta: (B * H, triton.cdiv(T, meta["BLOCK"]))
+
+
+def _precision(dtype):
+    """"ieee" or "tf32" for float32 dots, following torch's setting for float32 matmuls on CUDA.
+    torch >= 2.9 has fp32_precision; reading the legacy allow_tf32 there raises once it was set."""
+    matmul = torch.backends.cuda.matmul
+    tf32 = matmul.fp32_precision == "tf32" if hasattr(matmul, "fp32_precision") else matmul.allow_tf32
+    return "tf32" if dtype == torch.float32 and tf32 else "ieee"     # 16-bit dots ignore it
 
 
 def _metric_strides(m):
@@ -319,76 +383,103 @@ def _heads_like(x, dtype):
     return torch.empty(B, T, H, dh, device=x.device, dtype=dtype).transpose(1, 2)
 
 
-def _precision(dtype):
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"            # TF32 for float32 operands; Triton ignores it for 16-bit ones
+def _on_device(x):
+    """Launch on x's GPU, whichever is current (Triton launches on the current device)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-def _forward(x, m, v, block):
+def _forward_plan(x, m, v):
+    """The forward's outputs (o, lse, q), allocated, and its kernel launches as a list of
+    (kernel, grid, args, constants); tests/test_sm90_compile.py compiles these very launches."""
     B, H, T, dh = x.shape
-    grid, options = _launch(x, block)
-    o = _heads_like(x, x.dtype)
-    lse = torch.empty(B, H, T, device=x.device, dtype=torch.float32)
-    _attn_fwd[grid](x, m, v, o, lse, *x.stride(), *_metric_strides(m), *v.stride(), *o.stride(),
-                    H, T, dh, LOG2E / math.sqrt(dh), PRECISION=_precision(x.dtype), **options)
-    return o, lse
+    o, lse, q = _attention_fake(x, m, v)
+    launches = [(_attn_fwd, _grid(x), (x, m, v, o, lse, q, *x.stride(), *_metric_strides(m), *v.stride(), *o.stride(),
+                                       H, T, dh, LOG2E / math.sqrt(dh)), dict(PER_TOKEN=m.dim() == 5, **_options(x)))]
+    return (o, lse, q), launches
 
 
-def _backward(do, x, m, v, o, lse, block):
+def _backward_plan(do, x, m, v, o, lse, q):
+    """The backward's outputs (dx, dm, dv) and its scratch, allocated, and its kernel launches."""
     B, H, T, dh = x.shape
-    grid, options = _launch(x, block)
-    DH = options["DH"]
-    precision = _precision(x.dtype)
+    options = _options(x)
     sm_scale = 1.0 / math.sqrt(dh)
-    # the forward's q = x m (Eq. 5), not kept, is recomputed once; D_t = rowsum(dO_t * O_t)
-    q = torch.empty(B * H, T, DH, device=x.device, dtype=x.dtype)       # zero-padded to DH
+    dx, dm, dv = _attention_backward_fake(do, x, m, v, o, lse, q)
     delta = torch.empty(B, H, T, device=x.device, dtype=torch.float32)
-    _bwd_prep[grid](x, m, o, do, q, delta, *x.stride(), *_metric_strides(m), *o.stride(), *do.stride(),
-                    H, T, dh, **options)
-    # O = P V and P = softmax(q x^T / sqrt(dh)), from the side of the keys x: dv, and dk into dx
-    dx = _heads_like(x, torch.float32)    # float32: the two parts of dx are added before rounding
-    dv = _heads_like(v, v.dtype)
-    _bwd_dkdv[grid](x, v, q, do, lse, delta, dx, dv, *x.stride(), *v.stride(), *do.stride(), *dx.stride(),
-                    *dv.stride(), H, T, dh, sm_scale, sm_scale * LOG2E, PRECISION=precision, **options)
-    # the same, from the side of the queries: dq; then q = x m: dx += dq m^T, dm = x^T dq
-    if m.dim() == 5:
-        dm = torch.empty_like(m, memory_format=torch.contiguous_format)
-        dm_strides = dm.stride()[:4]
-    else:
-        dm = torch.empty(B, H, grid[0], dh, dh, device=x.device, dtype=torch.float32)   # partial sums
-        dm_strides = (0, 0, 0, 0)        # unused: the kernel indexes the partials itself
-    _bwd_dq[grid](x, m, v, q, do, lse, delta, dx, dm, *x.stride(), *_metric_strides(m), *v.stride(),
-                  *do.stride(), *dx.stride(), *dm_strides, H, T, dh, sm_scale, sm_scale * LOG2E,
-                  PER_TOKEN=m.dim() == 5, PRECISION=precision, **options)
+    dk = _heads_like(x, torch.float32)    # float32: the two parts of dx are added before rounding
+    per_token = m.dim() == 5
+    # static: the kernel writes dq (float32), and dm = sum over (b, t) of x_t^T dq_t is one matmul
+    dq_or_dm = dm if per_token else torch.empty(B, H, T, dh, device=x.device, dtype=torch.float32)
+    launches = [
+        # D_t = rowsum(dO_t * O_t)
+        (_bwd_prep, (B * H, triton.cdiv(T, PREP_BLOCK)), (o, do, delta, *o.stride(), *do.stride(), H, T, dh),
+         dict(BLOCK=PREP_BLOCK, DH=options["DH"])),
+        # O = P V and P = softmax(q x^T / sqrt(dh)), from the side of the keys x: dv, and dk
+        (_bwd_dkdv, _grid(x), (x, v, q, do, lse, delta, dk, dv, *x.stride(), *v.stride(), *do.stride(), *dk.stride(),
+                               *dv.stride(), H, T, dh, sm_scale, sm_scale * LOG2E), options),
+        # the same, from the side of the queries: dq; then q = x m: dx = dk + dq m^T, dm = x^T dq
+        (_bwd_dq, _grid(x), (x, m, v, q, do, lse, delta, dk, dx, dq_or_dm, *x.stride(), *_metric_strides(m),
+                             *v.stride(), *do.stride(), *dk.stride(), *dx.stride(),
+                             *(dm.stride()[:4] if per_token else (0, 0, 0, 0)), H, T, dh, sm_scale, sm_scale * LOG2E),
+         dict(PER_TOKEN=per_token, **options)),
+    ]
+    return (dx, dm, dv, dq_or_dm), launches
+
+
+def _launch(launches, x):
+    with _on_device(x):
+        for kernel, grid, args, constants in launches:
+            kernel[grid](*args, **constants)
+
+
+@torch.library.custom_op("damcha::attention", mutates_args=())
+def _attention(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> o (B, H, T, dh), the row logsumexp lse (B, H, T) in base 2, and q = x m (B, H, T, dh)."""
+    outputs, launches = _forward_plan(x, m, v)
+    _launch(launches, x)
+    return outputs
+
+
+@_attention.register_fake
+def _attention_fake(x, m, v):
+    B, H, T, dh = x.shape
+    lse = torch.empty(B, H, T, device=x.device, dtype=torch.float32)
+    return _heads_like(x, x.dtype), lse, torch.empty(B, H, T, dh, device=x.device, dtype=x.dtype)
+
+
+@torch.library.custom_op("damcha::attention_backward", mutates_args=())
+def _attention_backward(do: torch.Tensor, x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                        lse: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dx, dm, dv for the output gradient do."""
+    (dx, dm, dv, dq_or_dm), launches = _backward_plan(do, x, m, v, o, lse, q)
+    _launch(launches, x)
     if m.dim() == 3:
-        dm = dm.sum(dim=(0, 2)).to(m.dtype)                              # (H, dh, dh): sum over b, blocks
-    return dx.to(x.dtype), dm, dv
+        dm.copy_(torch.einsum("bhtd,bhte->hde", x.float(), dq_or_dm))          # (H, dh, dh)
+    return dx, dm, dv
 
 
-class DamchaAttention(torch.autograd.Function):
-    """o = softmax(causal(q x^T / sqrt(dh))) v with q = x m, on the Triton kernels above."""
-
-    @staticmethod
-    def forward(ctx, x, m, v, block):
-        o, lse = _forward(x, m, v, block)
-        ctx.save_for_backward(x, m, v, o, lse)
-        ctx.block = block
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        x, m, v, o, lse = ctx.saved_tensors
-        dx, dm, dv = _backward(do, x, m, v, o, lse, ctx.block)
-        return dx, dm, dv, None
+@_attention_backward.register_fake
+def _attention_backward_fake(do, x, m, v, o, lse, q):
+    return _heads_like(x, x.dtype), torch.empty_like(m, memory_format=torch.contiguous_format), _heads_like(v, v.dtype)
 
 
-def damcha_attention(x, m, v, block=None):
+def _setup_context(ctx, inputs, output):
+    x, m, v = inputs
+    o, lse, q = output
+    ctx.save_for_backward(x, m, v, o, lse, q)
+    ctx.mark_non_differentiable(lse, q)
+
+
+def _backward(ctx, do, dlse, dq):
+    return _attention_backward(do, *ctx.saved_tensors)
+
+
+_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def damcha_attention(x, m, v):
     """DAMCHA causal attention, Eqs. 5-7. x, v (B, H, T, dh); m (B, T, H, dh, dh) or (H, dh, dh)
     -> o (B, H, T, dh), laid out as (B, T, H, dh) in memory so that o.transpose(1, 2) is
-    contiguous. Any strides are accepted; a unit stride along dh makes the loads coalesce.
-    block: the tile of queries and keys each program handles, a power of two >= 16; None picks
-    64 for 16-bit inputs and 32 for float32."""
+    contiguous. Any strides are accepted; a unit stride along dh makes the loads coalesce."""
     if x.dim() != 4 or v.shape != x.shape:
         raise ValueError(f"x and v must both be (B, H, T, dh), got {tuple(x.shape)} and {tuple(v.shape)}")
     B, H, T, dh = x.shape
@@ -397,8 +488,6 @@ def damcha_attention(x, m, v, block=None):
                          f"got {tuple(m.shape)}")
     if dh > MAX_DH:
         raise ValueError(f"head size dh = {dh} is above the kernels' limit of {MAX_DH}")
-    if block is not None and (block < 16 or block & (block - 1)):
-        raise ValueError(f"block must be a power of two >= 16, got {block}")
     if not (x.device == m.device == v.device):
         raise ValueError(f"x, m and v must be on one device, got {x.device}, {m.device} and {v.device}")
     if torch.is_autocast_enabled(x.device.type):
@@ -414,4 +503,4 @@ def damcha_attention(x, m, v, block=None):
                          "before importing triton")
     elif x.dtype != torch.float32:
         raise ValueError(f"Triton's interpreter runs the kernels in float32 only, not {x.dtype}")
-    return DamchaAttention.apply(x, m, v, block)
+    return _attention(x, m, v)[0]

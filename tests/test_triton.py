@@ -1,23 +1,28 @@
 """
 tests/test_triton.py: checks the Triton DAMCHA attention kernels (damcha_triton.py).
 
-Run: python -m pytest -q tests/test_triton.py   (about 30 seconds on two CPU cores; skipped when
+Run: python -m pytest -q tests/test_triton.py   (about a minute on two CPU cores; skipped when
 triton is not installed)
 
 Without a GPU the kernels run on Triton's interpreter, in float32 on the CPU, which this module
 selects (TRITON_INTERPRET=1) before triton is imported; that setting then holds for the whole
-pytest process. There, at small sizes with T not a multiple of the block: the output and the
-gradients for x, m and v against a float64 autograd reference (einsum + SDPA) and against the
-chain of damcha_numpy's attention pieces, for per-token and static metrics and head sizes that
-need padding; then the edge cases of T, input layouts, argument checks, and the whole GPT with
-GPTConfig(kernel="triton") against kernel="torch", the spec's forward and damcha_numpy's
-gradients. With a GPU the same tests run on it, plus: bfloat16 and float16 against float64 (no
+pytest process, and the kernels there use blocks of 16 positions. At small sizes with odd T (37,
+70: several blocks, the last one partial): the output and the gradients for x, m and v against a
+float64 autograd reference (einsum + SDPA) and against the chain of damcha_numpy's attention
+pieces, for per-token and static metrics and head sizes that need padding (8, 12, 48); then the
+edge cases of T, input layouts, argument checks, the float32 precision setting, torch.compile
+tracing through the op, and the whole GPT with GPTConfig(kernel="triton") against kernel="torch",
+the spec's forward and damcha_numpy's gradients. With a GPU the same tests run on it, plus: bfloat16 and float16 against float64 (no
 worse than torch's own 16-bit path), T = 4096 in float32, and the forward's peak memory. Errors
 are relative to the largest entry: max |a - b| / max |b| (rel_err). The inputs (make_inputs) and
 the torch path (torch_path) come from bench_triton_gpu.py, which checks the same on a GPU.
 """
 import dataclasses
+import json
+import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -51,8 +56,8 @@ def output_and_grads(op, x, m, v, do):
     return o, x.grad, m.grad, v.grad
 
 
-def check_against_float64(x, m, v, do, block=16):
-    got = output_and_grads(lambda *a: damcha_attention(*a, block=block), x, m, v, do)
+def check_against_float64(x, m, v, do):
+    got = output_and_grads(damcha_attention, x, m, v, do)
     want = output_and_grads(torch_path, *(t.double() for t in (x, m, v, do)))
     for name, a, b, tol in zip(("o", "dx", "dm", "dv"), got, want, (FWD_TOL, GRAD_TOL, GRAD_TOL, GRAD_TOL)):
         assert a.dtype == x.dtype and a.shape == b.shape, name
@@ -63,10 +68,10 @@ def check_against_float64(x, m, v, do, block=16):
 # float32, small sizes (the interpreter on a CPU)
 
 @pytest.mark.parametrize("static", [False, True], ids=["per_token", "static"])
-@pytest.mark.parametrize("dh", [8, 12, 16])          # 8, 12: padded to the kernels' DH = 16
-def test_against_torch_path(static, dh):
-    # T = 37 with blocks of 16: two full blocks and a partial one
-    check_against_float64(*make_inputs(2, 2, 37, dh, static))
+@pytest.mark.parametrize("B, T, dh", [(2, 37, 8), (2, 37, 12), (1, 70, 48)])   # dh padded to DH = 16, 16, 64
+def test_against_torch_path(static, B, T, dh):
+    # blocks of 16: T = 37 is two full blocks and a partial one, T = 70 four and a partial one
+    check_against_float64(*make_inputs(B, 2, T, dh, static))
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["per_token", "static"])
@@ -75,7 +80,7 @@ def test_against_damcha_numpy(static):
     attention_backward chain them (its layout: x (B, T, H, dh))."""
     B, H, T, dh = 2, 2, 21, 8
     x, m, v, do = make_inputs(B, H, T, dh, static, seed=1)
-    o, dx, dm, dv = output_and_grads(lambda *a: damcha_attention(*a, block=16), x, m, v, do)
+    o, dx, dm, dv = output_and_grads(damcha_attention, x, m, v, do)
 
     dn = damcha_numpy
     x_np, v_np, do_np = (t.transpose(1, 2).double().cpu().numpy() for t in (x, v, do))   # (B, T, H, dh)
@@ -124,7 +129,7 @@ def test_masked_positions_get_no_gradient():
     x, m, v, _ = make_inputs(1, 2, 20, 8, static=False, seed=4)
     do = torch.zeros(1, 2, 20, 8, device=DEVICE)
     do[:, :, :9] = 1.0                                                  # only outputs 0..8 are used
-    _, dx, dm, dv = output_and_grads(lambda *a: damcha_attention(*a, block=16), x, m, v, do)
+    _, dx, dm, dv = output_and_grads(damcha_attention, x, m, v, do)
     assert dx[:, :, 9:].abs().max() == 0 and dv[:, :, 9:].abs().max() == 0 and dm[:, 9:].abs().max() == 0
     assert dx[:, :, :9].abs().min() > 0
 
@@ -137,14 +142,86 @@ def test_argument_checks():
         damcha_attention(x, m, v[..., :4])
     with pytest.raises(ValueError, match="one dtype"):
         damcha_attention(x, m.double(), v)
-    with pytest.raises(ValueError, match="power of two"):
-        damcha_attention(x, m, v, block=24)
     big = torch.zeros(1, 1, 4, 256, device=DEVICE)
     with pytest.raises(ValueError, match="limit"):
         damcha_attention(big, torch.zeros(1, 256, 256, device=DEVICE), big)
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="float32 only"):
             damcha_attention(x.bfloat16(), m.bfloat16(), v.bfloat16())
+
+
+def test_forward_keeps_q_for_the_backward():
+    """The forward stores q = x m (Eq. 5) as its dots used it, so that the backward reads m only
+    where it forms dx and dm; the row logsumexp lse (base 2) comes with it."""
+    for static in (False, True):
+        x, m, v, _ = make_inputs(1, 2, 20, 12, static)
+        o, lse, q = damcha_triton._attention(x, m, v)
+        want_q = torch.einsum("bhtd,hde->bhte" if static else "bhtd,bthde->bhte", x.double(), m.double())
+        scores = (want_q @ x.double().transpose(-1, -2)) / 12 ** 0.5
+        scores = scores.masked_fill(torch.ones(20, 20, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
+        assert q.is_contiguous() and rel_err(q, want_q) < FWD_TOL
+        assert rel_err(lse, torch.logsumexp(scores, -1) / math.log(2)) < FWD_TOL
+        assert rel_err(o, torch.softmax(scores, -1) @ v.double()) < FWD_TOL
+
+
+def test_launch_grid_keeps_batch_and_heads_on_axis_0():
+    """CUDA allows 2^31 - 1 programs on grid axis 0 but 65,535 on axes 1 and 2: B * H goes on
+    axis 0, the blocks of positions (T / 16 at most) on axis 1. Meta tensors: nothing runs."""
+    B, H, T, dh = 6000, 12, 4096, 16                       # B * H = 72,000
+    x = torch.empty(B, T, H, dh, device="meta").transpose(1, 2)
+    m = torch.empty(B, T, H, dh, dh, device="meta")
+    (o, lse, q), launches = damcha_triton._forward_plan(x, m, x)
+    launches += damcha_triton._backward_plan(o, x, m, x, o, lse, q)[1]
+    for kernel, grid, _, constants in launches:
+        grid = grid(dict(BLOCK=16)) if callable(grid) else grid
+        assert grid[0] == B * H and grid[1] <= 65535, grid
+
+
+def test_float32_precision_follows_torch():
+    """float32 dots are TF32 exactly when torch's float32 matmuls on CUDA are. Once torch's newer
+    fp32_precision API has been used, reading the legacy allow_tf32 flag raises (torch 2.9+): the
+    op must read the new one. In a fresh process, as the setting is process-wide."""
+    new_api = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+    settings = ("fp32_precision = 'tf32'", "fp32_precision = 'ieee'") if new_api else ("allow_tf32 = True",
+                                                                                      "allow_tf32 = False")
+    code = "import torch, damcha_triton\n" + "".join(
+        f"torch.backends.cuda.matmul.{setting}\n"
+        "print(damcha_triton._precision(torch.float32), damcha_triton._precision(torch.bfloat16))\n"
+        for setting in settings)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=os.path.dirname(damcha_triton.__file__), env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["tf32", "ieee", "ieee", "ieee"]
+
+
+def test_torch_compile_traces_through_the_op():
+    """torch.compile(fullgraph=True) traces through the op (a torch.library custom op with a fake
+    implementation and a registered backward) without a graph break, forward and backward, and
+    gives eager's numbers. backend="aot_eager": AOTAutograd's tracing, without Inductor's codegen."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    x, m, v, do = make_inputs(1, 2, 20, 8, static=False)
+    op = lambda x, m, v: 2 * damcha_attention(x, m * 0.5, v)
+    compiled = torch.compile(op, fullgraph=True, backend="aot_eager")
+    for got, want in zip(output_and_grads(compiled, x, m, v, do), output_and_grads(op, x, m, v, do)):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_bench_triton_gpu_smoke():
+    """python bench_triton_gpu.py --smoke: every section runs and prints JSON rows; its checks
+    pass and its train_char.py run with --kernel=triton exits 0."""
+    root = os.path.dirname(damcha_triton.__file__)
+    done = subprocess.run([sys.executable, "bench_triton_gpu.py", "--smoke"], capture_output=True, text=True,
+                          cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    kinds = [row["kind"] for row in rows]
+    assert kinds[0] == "setup" and kinds[-1] == "done" and {"check", "op", "model", "train"} <= set(kinds)
+    assert all(row["ok"] for row in rows if row["kind"] == "check")
+    assert all(row["fwd_ms"] > 0 for row in rows if row["kind"] == "op")
+    assert [row["rc"] for row in rows if row["kind"] == "train"] == [0]
+    agreement = next(row for row in rows if row.get("name") == "grad_agreement")
+    assert agreement["max_rel_err"] < GRAD_TOL
 
 
 @pytest.mark.parametrize("adaptive", [True, False], ids=["per_token", "static"])
@@ -173,7 +250,7 @@ def test_gpt_kernel_triton_matches_torch(adaptive):
 def test_gpt_kernel_triton_matches_spec_and_numpy(variant):
     """The issue's bar: GPT(kernel="triton") in float32 against the spec's independent float64
     forward (logits and loss to 1e-4) and damcha_numpy's float64 gradients (to 1e-3), with T = 37
-    longer than the kernels' float32 block of 32, and weights moved in through the state_dict."""
+    longer than two of the interpreter's blocks of 16, and weights moved in through the state_dict."""
     config = GPTConfig(kernel="triton", vocab_size=11, block_size=40, n_layer=2, n_head=2, n_embd=32,
                        gen_width=16, **variant)
     np_config = damcha_numpy.GPTConfig(**{k: v for k, v in vars(config).items() if k != "kernel"})
@@ -215,7 +292,7 @@ def test_half_precision_cuda(dtype, static):
 @pytest.mark.parametrize("static", [False, True], ids=["per_token", "static"])
 def test_long_sequence_cuda(static):
     # T = 4096, float32 (IEEE products) against float64
-    check_against_float64(*make_inputs(1, 2, 4096, 64, static), block=None)
+    check_against_float64(*make_inputs(1, 2, 4096, 64, static))
 
 
 @requires_cuda
@@ -232,3 +309,24 @@ def test_forward_memory_cuda():
         o = damcha_attention(x, m, v)
     extra = torch.cuda.max_memory_allocated() - before
     assert extra <= o.numel() * o.element_size() + B * H * T * 4 + 2**20
+
+
+@requires_cuda
+def test_offsets_past_2_to_31_cuda():
+    """T * H * dh^2 = 8192 * 24 * 128^2 > 2^31: the row offsets into m and dm need 64 bits. With
+    an output gradient on the last 16 positions only, those positions' outputs and metric
+    gradients have a cheap float64 reference: their own queries against all keys."""
+    B, H, T, dh, R = 1, 24, 8192, 128, 16
+    x, m, v, _ = make_inputs(B, H, T, dh, static=False, dtype=torch.bfloat16)
+    do = torch.zeros(B, H, T, dh, device=DEVICE, dtype=torch.bfloat16)
+    do[:, :, -R:] = torch.randn(B, H, R, dh, generator=torch.Generator().manual_seed(5)).to(do)
+    o, dx, dm, dv = output_and_grads(damcha_attention, x, m, v, do)
+    xd, md = x.double(), m[:, -R:].double().requires_grad_()
+    q = torch.einsum("bhtd,bthde->bhte", xd[:, :, -R:], md)
+    scores = (q @ xd.transpose(-1, -2)) / dh ** 0.5                      # (B, H, R, T)
+    scores[..., -R:] = scores[..., -R:].masked_fill(torch.ones(R, R, dtype=torch.bool, device=DEVICE).triu(1),
+                                                     float("-inf"))
+    o_last = torch.softmax(scores, -1) @ v.double()
+    o_last.backward(do[:, :, -R:].double())
+    assert rel_err(o[:, :, -R:], o_last) < 2e-2
+    assert rel_err(dm[:, -R:], md.grad) < 5e-2
