@@ -2,7 +2,12 @@
 
 A notebook added later is picked up by the glob. Each one is executed from a fresh kernel, in
 memory (the committed file is not rewritten), with notebooks/ as the working directory, as Jupyter
-would run it. The committed file must also hold the outputs of a run: every code cell executed."""
+would run it. The committed file must also hold the outputs of a run: every code cell executed, no
+error among the outputs, no placeholder text left in any cell, and every figure at least 400 pixels
+wide (readable on GitHub and in JupyterLab)."""
+import base64
+import re
+import struct
 from pathlib import Path
 
 import nbformat
@@ -13,9 +18,22 @@ NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 
+MIN_FIGURE_WIDTH = 400                         # pixels, as displayed
+PLACEHOLDER = re.compile(r"PLACEHOLDER|TODO|FIXME")
+
+
 def images(nb):
     return [out for cell in nb.cells if cell.cell_type == "code"
             for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
+
+
+def displayed_width(out):
+    """The width in pixels at which a PNG output is shown: the width its metadata asks for (retina
+    figures are stored at twice it), else the width in the PNG's header (IHDR: bytes 16-19)."""
+    png = base64.b64decode(out["data"]["image/png"])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR", "not a PNG"
+    width = struct.unpack(">I", png[16:20])[0]
+    return out.get("metadata", {}).get("image/png", {}).get("width", width)
 
 
 def test_there_are_notebooks():
@@ -28,6 +46,30 @@ def test_committed_with_outputs(path):
     unrun = [n for n, cell in enumerate(nb.cells) if cell.cell_type == "code" and cell.execution_count is None]
     assert not unrun, f"{path.name}: code cells {unrun} have not been executed; commit the notebook with its outputs"
     assert images(nb), f"{path.name}: the committed outputs hold no plot"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_placeholder_text(path):
+    nb = nbformat.read(path, as_version=4)
+    left = [(n, match.group()) for n, cell in enumerate(nb.cells) for match in [PLACEHOLDER.search(cell.source)] if match]
+    assert not left, f"{path.name}: cells with placeholder text (cell, text): {left}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_committed_error(path):
+    nb = nbformat.read(path, as_version=4)
+    errors = [(n, out.get("ename") or "traceback on stderr") for n, cell in enumerate(nb.cells) if cell.cell_type == "code"
+              for out in cell.outputs
+              if out.output_type == "error" or (out.output_type == "stream" and "Traceback" in out.get("text", ""))]
+    assert not errors, f"{path.name}: committed outputs hold errors (cell, error): {errors}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_figures_are_wide_enough(path):
+    nb = nbformat.read(path, as_version=4)
+    narrow = [(n, displayed_width(out)) for n, cell in enumerate(nb.cells) if cell.cell_type == "code"
+              for out in cell.outputs if "image/png" in out.get("data", {}) and displayed_width(out) < MIN_FIGURE_WIDTH]
+    assert not narrow, f"{path.name}: figures narrower than {MIN_FIGURE_WIDTH} px (cell, width): {narrow}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
