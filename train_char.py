@@ -36,13 +36,13 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from configurator import configure, die
 from damcha_torch import GPT, GPTConfig, get_lr
-from data.prepare import atomic_write, decode, encode, load_dataset
+from data.prepare import (atomic_write, check_lengths, decode, draw_rows, encode, get_batch, load_dataset,
+                          split_loss)
 
 # ---------------------------------------------------------------------------------------------
 # Defaults: a small DAMCHA that learns Shakespeare in about two minutes on two idle CPU cores.
@@ -154,40 +154,6 @@ def autocast_for(device, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# Batches
-
-def draw_rows(components, split, n, block_size, generator):
-    """n training rows as (component, offset): the component uniformly at random (1/2 each for
-    mix), the offset uniformly over that split's windows of block_size + 1 tokens."""
-    which = torch.randint(len(components), (n,), generator=generator)
-    room = torch.tensor([len(c['splits'][split]) - block_size for c in components], dtype=torch.float64)
-    offsets = (torch.rand(n, generator=generator, dtype=torch.float64) * room[which]).long()
-    return which, offsets
-
-
-def get_batch(components, split, which, offsets, block_size, device):
-    """Inputs x and next-token targets y, (B, T) int64 on device."""
-    rows = []
-    for c, o in zip(which.tolist(), offsets.tolist()):
-        row = torch.from_numpy(components[c]['splits'][split][o:o + block_size + 1].astype(np.int64))
-        rows.append(row if components[c]['lut'] is None else components[c]['lut'][row])
-    xy = torch.stack(rows)
-    if device.startswith('cuda'):
-        xy = xy.pin_memory().to(device, non_blocking=True)
-    else:
-        xy = xy.to(device)
-    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()   # contiguous: models may .view() them
-
-
-def check_lengths(components, splits, block_size):
-    for c in components:
-        for s in splits:
-            if s in c['splits'] and len(c['splits'][s]) <= block_size:
-                die(f"the {s} split of {c['name']} has {len(c['splits'][s])} tokens, "
-                    f"too few for block_size={block_size}")
-
-
-# ---------------------------------------------------------------------------------------------
 # Checkpoints and logs
 
 def load_checkpoint(out_dir):
@@ -284,6 +250,7 @@ class Run:
     rank: int
     local_rank: int                      # the process's device on its machine
     world: int                           # processes
+    accum: int                           # micro-batches per iteration and process
     device: str
     dtype: str
     ctx: object                          # autocast, or nullcontext for float32
@@ -314,11 +281,7 @@ class Run:
         return self.rank == 0
 
     @property
-    def accum(self):   # micro-batches per iteration and process
-        return self.cfg['gradient_accumulation_steps'] // self.world
-
-    @property
-    def rows_per_iter(self):
+    def rows_per_iter(self):   # of all processes together
         return self.cfg['batch_size'] * self.cfg['gradient_accumulation_steps']
 
     @property
@@ -369,7 +332,8 @@ def start_processes(cfg, model_args, ckpt):
         dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
         if device.startswith('cuda'):
             torch.cuda.set_device(device)
-    return Run(cfg, model_args, ckpt, ddp, rank, local_rank, world, device, dtype, ctx, snapshots=snapshots)
+    return Run(cfg, model_args, ckpt, ddp, rank, local_rank, world, cfg['gradient_accumulation_steps'] // world,
+               device, dtype, ctx, snapshots=snapshots)
 
 
 def load_data(run):
@@ -621,35 +585,6 @@ def load_for_inference(cfg, given):
     model = build_model(model_args, ckpt).to(device)
     model.eval()
     return ckpt, cfg, model, device, ctx
-
-
-@torch.no_grad()
-def split_loss(model, data, lut, cfg, device, ctx, desc):
-    """Mean loss over every next-token target of a split (all but its first token). Windows of
-    block_size start every `stride` tokens; each scores only targets not scored before, so with
-    a stride below block_size each target sees at least block_size - stride tokens of context."""
-    T = cfg['block_size']
-    stride = cfg['stride'] or T
-    starts = list(range(0, len(data) - T, stride))
-    if starts[-1] != len(data) - T - 1:
-        starts.append(len(data) - T - 1)   # a last window flush with the end
-    skips, scored = [], 1                  # scored: first target position not yet scored
-    for s in starts:
-        skips.append(scored - (s + 1))
-        scored = s + T + 1
-    total, count = 0.0, 0
-    for b in tqdm(range(0, len(starts), cfg['batch_size']), desc=desc, unit='batch'):
-        batch = starts[b:b + cfg['batch_size']]
-        rows = torch.stack([torch.from_numpy(data[s:s + T + 1].astype(np.int64)) for s in batch])
-        rows = (rows if lut is None else lut[rows]).to(device)
-        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-        with ctx:
-            logits, _ = model(x, y)
-        nll = F.cross_entropy(logits.float().transpose(1, 2), y, reduction='none')   # (B, T)
-        keep = torch.arange(T, device=device) >= torch.tensor(skips[b:b + len(batch)], device=device)[:, None]
-        total += nll[keep].double().sum().item()
-        count += int(keep.sum())
-    return total / count, count
 
 
 def evaluate(cfg, given):

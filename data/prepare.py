@@ -1,5 +1,6 @@
 """
-data/prepare.py: the character-level datasets: download, verify, prepare and load them.
+data/prepare.py: the character-level datasets: download, verify, prepare and load them, draw
+batches from them, and score a model on a whole split.
 
     python data/prepare.py enwik8                    # download, check and prepare enwik8
     python data/prepare.py shakespeare text8 mix     # several at once; mix is enwik8 and text8
@@ -7,7 +8,7 @@ data/prepare.py: the character-level datasets: download, verify, prepare and loa
 
 train_char.py prepares a dataset on its first use, so running this is optional: it does the
 download ahead, on a machine with a network say. From the repository root the trainer, reproduce.py
-and the notebooks import it: `from data.prepare import load_dataset, encode, decode`.
+and the notebooks import it: `from data.prepare import load_dataset, encode, decode, split_loss`.
 
 Datasets are prepared once into <data_dir>/<name>/ (data_dir '' is this folder) as uint8 token ids
 ({train,val,test}.bin, read with np.memmap) and meta.json (vocabulary as byte values, split sizes,
@@ -16,8 +17,8 @@ source, checksum):
                  (no test split, so eval reports val only)
     enwik8       the first 10^8 bytes of English Wikipedia XML: 256 bytes, 90M / 5M / 5M
     text8        10^8 characters of a-z and space: 27 symbols, 90M / 5M / 5M
-    mix          the paper's 50-50 mixture of enwik8 and text8 over the 256-byte vocabulary
-                 (the trainer draws each training row from either with probability 1/2)
+    mix          the paper's 50-50 mixture of enwik8 and text8 over the 256-byte vocabulary:
+                 each training row comes from either with probability 1/2 (draw_rows)
     PATH         any text file, read as bytes: its distinct bytes, 90 / 5 / 5, under data/<file stem>/
 Without a network, put enwik8.zip or text8.zip (from mattmahoney.net/dc/) in data/enwik8/ or data/text8/.
 """
@@ -33,6 +34,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -199,7 +201,7 @@ def prepare(name, data_dir=''):
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading, and text <-> token ids
+# Loading, batches, text <-> token ids, and the score of a model on a whole split
 
 def load_dataset(name, data_dir='', vocab=None):
     """(components, vocabulary). A component is one corpus (mix has two): its name, its splits
@@ -221,6 +223,36 @@ def load_dataset(name, data_dir='', vocab=None):
         components.append(dict(name=n, lut=lut, splits=splits))
     return components, vocab
 
+
+def draw_rows(components, split, n, block_size, generator):
+    """n training rows as (component, offset): the component uniformly at random (1/2 each for
+    mix), the offset uniformly over that split's windows of block_size + 1 tokens."""
+    which = torch.randint(len(components), (n,), generator=generator)
+    room = torch.tensor([len(c['splits'][split]) - block_size for c in components], dtype=torch.float64)
+    offsets = (torch.rand(n, generator=generator, dtype=torch.float64) * room[which]).long()
+    return which, offsets
+
+
+def get_batch(components, split, which, offsets, block_size, device):
+    """Inputs x and next-token targets y, (B, T) int64 on device."""
+    rows = []
+    for c, o in zip(which.tolist(), offsets.tolist()):
+        row = torch.from_numpy(components[c]['splits'][split][o:o + block_size + 1].astype(np.int64))
+        rows.append(row if components[c]['lut'] is None else components[c]['lut'][row])
+    xy = torch.stack(rows)
+    if device.startswith('cuda'):
+        xy = xy.pin_memory().to(device, non_blocking=True)
+    else:
+        xy = xy.to(device)
+    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()   # contiguous: models may .view() them
+
+
+def check_lengths(components, splits, block_size):
+    for c in components:
+        for s in splits:
+            if s in c['splits'] and len(c['splits'][s]) <= block_size:
+                die(f"the {s} split of {c['name']} has {len(c['splits'][s])} tokens, "
+                    f"too few for block_size={block_size}")
 
 def encode(start, vocab, block_size):
     """The prompt's token ids; FILE:path reads it from a file."""
@@ -248,6 +280,37 @@ def encode(start, vocab, block_size):
 def decode(ids, vocab):
     # ids past the vocabulary (a vocab_size set larger than it) become 0xFF, which shows as U+FFFD
     return bytes(vocab[i] if i < len(vocab) else 0xFF for i in ids).decode('utf-8', errors='replace')
+
+
+@torch.no_grad()
+def split_loss(model, data, lut, cfg, device, ctx, desc=''):
+    """Mean loss of model(x, y) -> (logits, _) over every next-token target of a split's ids `data`
+    (all but its first token), as train_char.py --mode=eval scores it; cfg: block_size, stride
+    and batch_size. Windows of block_size start every `stride` tokens (0: block_size); each scores
+    only targets not scored before, so with a stride below block_size each target sees at least
+    block_size - stride tokens of context. Returns (mean loss in nats, number of targets)."""
+    T, batch_size = cfg['block_size'], cfg['batch_size']
+    stride = cfg['stride'] or T
+    starts = list(range(0, len(data) - T, stride))
+    if starts[-1] != len(data) - T - 1:
+        starts.append(len(data) - T - 1)   # a last window flush with the end
+    skips, scored = [], 1                  # scored: first target position not yet scored
+    for s in starts:
+        skips.append(scored - (s + 1))
+        scored = s + T + 1
+    total, count = 0.0, 0
+    for b in tqdm(range(0, len(starts), batch_size), desc=desc, unit='batch'):
+        batch = starts[b:b + batch_size]
+        rows = torch.stack([torch.from_numpy(data[s:s + T + 1].astype(np.int64)) for s in batch])
+        rows = (rows if lut is None else lut[rows]).to(device)
+        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        with ctx:
+            logits, _ = model(x, y)
+        nll = F.cross_entropy(logits.float().transpose(1, 2), y, reduction='none')   # (B, T)
+        keep = torch.arange(T, device=device) >= torch.tensor(skips[b:b + len(batch)], device=device)[:, None]
+        total += nll[keep].double().sum().item()
+        count += int(keep.sum())
+    return total / count, count
 
 
 def main(argv):

@@ -197,9 +197,9 @@ def test_enwik8_text8_and_mix_from_archives(corpora):
 
     components, vocab = prep.load_dataset('mix', str(data))
     assert vocab == list(range(256)) and [c['name'] for c in components] == ['enwik8', 'text8']
-    which, offsets = tc.draw_rows(components, 'train', 4000, 16, torch.Generator().manual_seed(0))
+    which, offsets = prep.draw_rows(components, 'train', 4000, 16, torch.Generator().manual_seed(0))
     assert abs(which.float().mean().item() - 0.5) < 0.03   # each row from either with probability 1/2
-    x, y = tc.get_batch(components, 'train', which[:64], offsets[:64], 16, 'cpu')
+    x, y = prep.get_batch(components, 'train', which[:64], offsets[:64], 16, 'cpu')
     raw = {n: np.frombuffer(contents[n], dtype=np.uint8) for n in contents}
     for row, (c, o) in enumerate(zip(which[:64].tolist(), offsets[:64].tolist())):
         expected = raw[components[c]['name']][o:o + 17]   # text8 rows come as bytes, like enwik8's
