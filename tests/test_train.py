@@ -153,6 +153,15 @@ def test_command_line_errors_have_no_traceback():
         assert result.stderr.strip().count('\n') == 0 and 'Traceback' not in result.stderr, result.stderr
 
 
+def test_config_mode_prints_the_composed_settings():
+    result = cli('config/text8.py', 'config/mha.py', '--mode=config', '--n_layer=2')
+    assert result.returncode == 0, result.stderr
+    cfg = json.loads(result.stdout)   # a dataset file, a model file, then flags, in that order
+    assert (cfg['dataset'], cfg['attn'], cfg['n_layer'], cfg['max_iters']) == ('text8', 'mha', 2, 50000)
+    assert cfg['out_dir'] == 'out-text8-mha'   # out-text8-{attn}
+    assert 'braces must hold' in fails('--out_dir=out-{nope}', '--mode=config')
+
+
 # ---------------------------------------------------------------------------------------------
 # Data
 
@@ -178,6 +187,17 @@ def test_text_file_is_split_90_5_5_and_prepared_again_when_it_changes(tmp_path):
     assert bytes(meta['vocab']) == b' ,dehlorw'
     text.write_bytes(b'abc' * 100)
     assert bytes(prep.prepare(str(text), str(tmp_path / 'data'))['vocab']) == b'abc'
+
+
+def test_prepare_runs_as_a_script_from_anywhere(tmp_path):
+    script = os.path.join(ROOT, 'data', 'prepare.py')
+    result = subprocess.run([sys.executable, script, 'shakespeare', f'--data_dir={tmp_path}'], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and 'train 1,429,444, val 158,828 tokens' in result.stdout, result.stderr
+    assert (tmp_path / 'shakespeare' / 'meta.json').exists()
+    result = subprocess.run([sys.executable, script, 'no/such.txt'], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1 and result.stderr.startswith('error: dataset') and result.stderr.count('\n') == 1
 
 
 def test_enwik8_text8_and_mix_from_archives(corpora):
