@@ -21,8 +21,9 @@ VARIANTS = ('mha', 'damcha', 'damcha_static')
 
 def sweep(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    # batch 64: the whole-split evaluation runs in batches of batch_size, and it is most of the time
     args = ['--seeds=1', '--max_iters=6', '--eval_interval=3', '--eval_iters=2', '--n_layer=1', '--n_embd=32',
-            '--n_head=2', '--block_size=16', '--batch_size=4', '--max_new_tokens=5', '--device=cpu',
+            '--n_head=2', '--block_size=16', '--batch_size=64', '--max_new_tokens=5', '--device=cpu',
             f"--variants={','.join(VARIANTS)}", f"--results={tmp_path / 'results'}",
             f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}"]
     t0 = time.time()

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+import data.prepare as prep
 import train_char as tc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,9 +81,9 @@ def make_corpora(folder, monkeypatch, serve_url=None, as_prepared=False):
         os.makedirs(where, exist_ok=True)
         with zipfile.ZipFile(os.path.join(where, f'{name}.zip'), 'w', zipfile.ZIP_DEFLATED) as z:
             z.writestr(name, data)
-        algorithm = tc.SOURCES[name]['digest'][0]
+        algorithm = prep.SOURCES[name]['digest'][0]
         url = f'{serve_url}/{name}.zip' if serve_url else 'http://127.0.0.1:9/unreachable.zip'
-        monkeypatch.setitem(tc.SOURCES, name, dict(tc.SOURCES[name], url=url, size=len(data),
+        monkeypatch.setitem(prep.SOURCES, name, dict(prep.SOURCES[name], url=url, size=len(data),
                                                    digest=(algorithm, hashlib.new(algorithm, data).hexdigest())))
     return contents
 
@@ -152,12 +153,21 @@ def test_command_line_errors_have_no_traceback():
         assert result.stderr.strip().count('\n') == 0 and 'Traceback' not in result.stderr, result.stderr
 
 
+def test_config_mode_prints_the_composed_settings():
+    result = cli('config/text8.py', 'config/mha.py', '--mode=config', '--n_layer=2')
+    assert result.returncode == 0, result.stderr
+    cfg = json.loads(result.stdout)   # a dataset file, a model file, then flags, in that order
+    assert (cfg['dataset'], cfg['attn'], cfg['n_layer'], cfg['max_iters']) == ('text8', 'mha', 2, 50000)
+    assert cfg['out_dir'] == 'out-text8-mha'   # out-text8-{attn}
+    assert 'braces must hold' in fails('--out_dir=out-{nope}', '--mode=config')
+
+
 # ---------------------------------------------------------------------------------------------
 # Data
 
 def test_shakespeare_is_split_90_10_over_its_distinct_bytes(data_dir):
-    meta = tc.prepare('shakespeare', str(data_dir))
-    with open(tc.BUNDLED, 'rb') as f:
+    meta = prep.prepare('shakespeare', str(data_dir))
+    with open(prep.BUNDLED, 'rb') as f:
         raw = np.frombuffer(f.read(), dtype=np.uint8)
     assert meta['vocab'] == sorted(set(raw.tolist())) and len(meta['vocab']) == 80
     n_train = len(raw) * 90 // 100
@@ -171,34 +181,45 @@ def test_shakespeare_is_split_90_10_over_its_distinct_bytes(data_dir):
 def test_text_file_is_split_90_5_5_and_prepared_again_when_it_changes(tmp_path):
     text = tmp_path / 'notes.txt'
     text.write_bytes(b'hello world, ' * 100)
-    meta = tc.prepare(str(text), str(tmp_path / 'data'))
+    meta = prep.prepare(str(text), str(tmp_path / 'data'))
     assert meta['dir'] == str(tmp_path / 'data' / 'notes')
     assert meta['splits'] == {'train': 1170, 'val': 65, 'test': 65}
     assert bytes(meta['vocab']) == b' ,dehlorw'
     text.write_bytes(b'abc' * 100)
-    assert bytes(tc.prepare(str(text), str(tmp_path / 'data'))['vocab']) == b'abc'
+    assert bytes(prep.prepare(str(text), str(tmp_path / 'data'))['vocab']) == b'abc'
+
+
+def test_prepare_runs_as_a_script_from_anywhere(tmp_path):
+    script = os.path.join(ROOT, 'data', 'prepare.py')
+    result = subprocess.run([sys.executable, script, 'shakespeare', f'--data_dir={tmp_path}'], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and 'train 1,429,444, val 158,828 tokens' in result.stdout, result.stderr
+    assert (tmp_path / 'shakespeare' / 'meta.json').exists()
+    result = subprocess.run([sys.executable, script, 'no/such.txt'], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1 and result.stderr.startswith('error: dataset') and result.stderr.count('\n') == 1
 
 
 def test_enwik8_text8_and_mix_from_archives(corpora):
     data, contents = corpora
     for name in ('enwik8', 'text8'):
-        meta = tc.prepare(name, str(data))
+        meta = prep.prepare(name, str(data))
         assert meta['splits'] == {'train': 3600, 'val': 200, 'test': 200}   # 90 / 5 / 5 of 4000
-        assert meta['vocab'] == tc.SOURCES[name]['vocab']
+        assert meta['vocab'] == prep.SOURCES[name]['vocab']
         vocab = np.array(meta['vocab'], dtype=np.uint8)
         raw = np.frombuffer(contents[name], dtype=np.uint8)
         for split, (a, b) in dict(train=(0, 3600), val=(3600, 3800), test=(3800, 4000)).items():
             ids = np.fromfile(data / name / f'{split}.bin', dtype=np.uint8)
             assert (vocab[ids] == raw[a:b]).all(), (name, split)
         os.remove(data / name / f'{name}.zip')   # prepared once: the archive is not needed again
-        assert tc.prepare(name, str(data))['splits'] == meta['splits']
-    assert len(tc.SOURCES['text8']['vocab']) == 27 and bytes(tc.SOURCES['text8']['vocab'][:2]) == b' a'
+        assert prep.prepare(name, str(data))['splits'] == meta['splits']
+    assert len(prep.SOURCES['text8']['vocab']) == 27 and bytes(prep.SOURCES['text8']['vocab'][:2]) == b' a'
 
-    components, vocab = tc.load_dataset('mix', str(data))
+    components, vocab = prep.load_dataset('mix', str(data))
     assert vocab == list(range(256)) and [c['name'] for c in components] == ['enwik8', 'text8']
-    which, offsets = tc.draw_rows(components, 'train', 4000, 16, torch.Generator().manual_seed(0))
+    which, offsets = prep.draw_rows(components, 'train', 4000, 16, torch.Generator().manual_seed(0))
     assert abs(which.float().mean().item() - 0.5) < 0.03   # each row from either with probability 1/2
-    x, y = tc.get_batch(components, 'train', which[:64], offsets[:64], 16, 'cpu')
+    x, y = prep.get_batch(components, 'train', which[:64], offsets[:64], 16, 'cpu')
     raw = {n: np.frombuffer(contents[n], dtype=np.uint8) for n in contents}
     for row, (c, o) in enumerate(zip(which[:64].tolist(), offsets[:64].tolist())):
         expected = raw[components[c]['name']][o:o + 17]   # text8 rows come as bytes, like enwik8's
@@ -208,15 +229,15 @@ def test_enwik8_text8_and_mix_from_archives(corpora):
 def test_download_is_verified_renamed_and_not_repeated(tmp_path, monkeypatch, server, capsys):
     folder, url = server
     make_corpora(str(folder), monkeypatch, serve_url=url)
-    meta = tc.prepare('enwik8', str(tmp_path / 'data'))
+    meta = prep.prepare('enwik8', str(tmp_path / 'data'))
     assert meta['splits']['train'] == 3600 and meta['source'] == f'{url}/enwik8.zip'
     assert sorted(os.listdir(tmp_path / 'data' / 'enwik8')) == ['enwik8.zip', 'meta.json', 'test.bin',
                                                                 'train.bin', 'val.bin']
     assert 'enwik8.zip: 100%' in capsys.readouterr().err   # the progress bar
     os.remove(folder / 'enwik8.zip')            # no second download: it would now fail
-    assert tc.prepare('enwik8', str(tmp_path / 'data'))['splits']['train'] == 3600
+    assert prep.prepare('enwik8', str(tmp_path / 'data'))['splits']['train'] == 3600
 
-    monkeypatch.setitem(tc.SOURCES, 'text8', dict(tc.SOURCES['text8'], digest=('sha1', '0' * 40)))
+    monkeypatch.setitem(prep.SOURCES, 'text8', dict(prep.SOURCES['text8'], digest=('sha1', '0' * 40)))
     message = fails('--dataset=text8', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}')
     assert 'failed verification' in message and 'sha1' in message
     assert not os.path.exists(tmp_path / 'data' / 'text8' / 'text8.zip')
@@ -232,7 +253,7 @@ def test_offline_download_says_where_to_put_the_archive(tmp_path, monkeypatch):
 
 def test_wrong_archive_is_reported_and_kept(corpora, monkeypatch):
     data, _ = corpora
-    monkeypatch.setitem(tc.SOURCES, 'enwik8', dict(tc.SOURCES['enwik8'], size=10**8))
+    monkeypatch.setitem(prep.SOURCES, 'enwik8', dict(prep.SOURCES['enwik8'], size=10**8))
     message = fails('--dataset=enwik8', f'--data_dir={data}', f'--out_dir={data / "out"}')
     assert 'expected 100,000,000 bytes' in message and 'delete it' in message
     assert os.path.exists(data / 'enwik8' / 'enwik8.zip')
@@ -315,8 +336,8 @@ def test_non_finite_loss_stops_and_keeps_the_checkpoint(trained, monkeypatch, tm
 def test_eval_scores_every_token_once(trained, tmp_path, monkeypatch, capsys):
     # a shorter Shakespeare keeps this fast; its vocabulary is a subset of the model's
     small = tmp_path / 'small.txt'
-    small.write_bytes(open(tc.BUNDLED, 'rb').read()[:20000])
-    monkeypatch.setattr(tc, 'BUNDLED', str(small))
+    small.write_bytes(open(prep.BUNDLED, 'rb').read()[:20000])
+    monkeypatch.setattr(prep, 'BUNDLED', str(small))
     results = []
     for stride in (0, 5):
         run('--mode=eval', f'--out_dir={trained}', f'--stride={stride}', f'--data_dir={tmp_path}', '--batch_size=64')
@@ -410,13 +431,13 @@ def test_bad_input_with_an_existing_checkpoint_leaves_it_alone(trained, corpora)
 @pytest.mark.parametrize('corpus', ['enwik8', 'text8', 'mix'])
 def test_gpu_configs_state_their_equal_parameter_counts(corpus):
     counts = {}
-    for attn in ('damcha', 'mha'):
-        path = os.path.join(ROOT, 'config', f'{corpus}_{attn}.py')
-        cfg, _ = tc.parse_config([path])
+    for attn in ('damcha', 'mha'):   # a dataset file, then a model file
+        path = os.path.join(ROOT, 'config', f'{attn}.py')
+        cfg, _ = tc.parse_config([os.path.join(ROOT, 'config', f'{corpus}.py'), path])
         assert (cfg['dataset'], cfg['attn'], cfg['out_dir']) == (corpus, attn, f'out-{corpus}-{attn}')
         with torch.device('meta'):   # shapes only: no memory, no time
             model = tc.GPT(tc.GPTConfig(**{k: cfg[k] for k in tc.MODEL_KEYS} | {'vocab_size': len(
-                tc.SOURCES['text8']['vocab']) if corpus == 'text8' else 256}))
+                prep.SOURCES['text8']['vocab']) if corpus == 'text8' else 256}))
         counts[attn] = sum(p.numel() for p in model.parameters())
         with open(path) as f:
             assert f'{counts[attn]:,} parameters' in f.read()

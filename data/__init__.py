@@ -1,0 +1,1 @@
+"""data: the datasets (prepare.py) and the bundled corpus (shakespeare/)."""

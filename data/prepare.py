@@ -1,0 +1,332 @@
+"""
+data/prepare.py: the character-level datasets: download, verify, prepare and load them, draw
+batches from them, and score a model on a whole split.
+
+    python data/prepare.py enwik8                    # download, check and prepare enwik8
+    python data/prepare.py shakespeare text8 mix     # several at once; mix is enwik8 and text8
+    python data/prepare.py notes.txt --data_dir=/big/disk/data
+
+train_char.py prepares a dataset on its first use, so running this is optional: it does the
+download ahead, on a machine with a network say. From the repository root the trainer, reproduce.py
+and the notebooks import it: `from data.prepare import load_dataset, encode, decode, split_loss`.
+
+Datasets are prepared once into <data_dir>/<name>/ (data_dir '' is this folder) as uint8 token ids
+({train,val,test}.bin, read with np.memmap) and meta.json (vocabulary as byte values, split sizes,
+source, checksum):
+    shakespeare  the bundled data/shakespeare/input.txt: its distinct bytes, 90% train / 10% val
+                 (no test split, so eval reports val only)
+    enwik8       the first 10^8 bytes of English Wikipedia XML: 256 bytes, 90M / 5M / 5M
+    text8        10^8 characters of a-z and space: 27 symbols, 90M / 5M / 5M
+    mix          the paper's 50-50 mixture of enwik8 and text8 over the 256-byte vocabulary:
+                 each training row comes from either with probability 1/2 (draw_rows)
+    PATH         any text file, read as bytes: its distinct bytes, 90 / 5 / 5, under data/<file stem>/
+Without a network, put enwik8.zip or text8.zip (from mattmahoney.net/dc/) in data/enwik8/ or data/text8/.
+"""
+import hashlib
+import http.client
+import json
+import os
+import sys
+import urllib.request
+import zipfile
+import zlib
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if __name__ == '__main__':   # run as a script: the repository root, which holds configurator.py, is above
+    sys.path.insert(0, os.path.dirname(HERE))
+from configurator import configure, die  # noqa: E402
+
+# The downloadable corpora. The tests point these at small archives of their own.
+SOURCES = {
+    'enwik8': dict(url='http://mattmahoney.net/dc/enwik8.zip', size=10**8,
+                   digest=('md5', 'a1fa5ffddb56f4953e226637dabbb36a'), vocab=list(range(256))),
+    # mattmahoney.net publishes no checksum for text8; this SHA-1 is the one that Apache
+    # MXNet and GluonNLP check their text8 downloads against
+    'text8': dict(url='http://mattmahoney.net/dc/text8.zip', size=10**8,
+                  digest=('sha1', '0dc3edebc970dcc96137e7deda4d9995af9d93de'),
+                  vocab=list(b' abcdefghijklmnopqrstuvwxyz')),
+}
+MIX = ('enwik8', 'text8')
+BUNDLED = os.path.join(HERE, 'shakespeare', 'input.txt')
+
+
+@contextmanager
+def atomic_write(path):
+    """A binary file to write that appears at `path` only once complete: it is written beside it,
+    flushed to disk, then renamed over it. A crash leaves the old file or none, never half a file.
+    Every save of the project goes through here (prepared data, checkpoints, snapshots, logs)."""
+    tmp = f'{path}.tmp'
+    with open(tmp, 'wb') as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparation
+
+def read_meta(folder):
+    """meta.json of a completely prepared dataset folder, else None."""
+    try:
+        with open(os.path.join(folder, 'meta.json')) as f:
+            meta = json.load(f)
+        if all(os.path.getsize(os.path.join(folder, f'{s}.bin')) == n for s, n in meta['splits'].items()):
+            return meta | {'dir': folder}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def write_splits(folder, ids, vocab, percents, source, digest):
+    """Cut ids into consecutive train/val(/test) parts by percentage; meta.json goes last."""
+    sizes = [len(ids) * p // 100 for p in percents[:-1]]
+    sizes.append(len(ids) - sum(sizes))
+    os.makedirs(folder, exist_ok=True)
+    splits, begin = {}, 0
+    for split, size in zip(('train', 'val', 'test'), sizes):
+        with atomic_write(os.path.join(folder, f'{split}.bin')) as f:
+            f.write(ids[begin:begin + size])
+        splits[split], begin = size, begin + size
+    meta = dict(vocab=[int(b) for b in vocab], splits=splits, source=source, digest=digest)
+    with atomic_write(os.path.join(folder, 'meta.json')) as f:
+        f.write(json.dumps(meta).encode())
+    print(f"prepared {folder}: " + ', '.join(f'{s} {n:,}' for s, n in splits.items())
+          + f" tokens, vocabulary of {len(vocab)}", file=sys.stderr)   # stdout: eval's JSON
+    return meta | {'dir': folder}
+
+
+def download(url, part, archive):
+    print(f"downloading {url} to {archive}", file=sys.stderr)
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, open(part, 'wb') as f:
+            size = int(response.headers.get('Content-Length') or 0) or None
+            with tqdm(total=size, unit='B', unit_scale=True, desc=os.path.basename(archive)) as bar:
+                while chunk := response.read(1 << 20):
+                    f.write(chunk)
+                    bar.update(len(chunk))
+    except (OSError, http.client.HTTPException) as e:   # urllib's URLError is an OSError
+        die(f"could not download {url} ({e}); download it by hand and put it at {archive}")
+
+
+def unzip_verified(path, name, source):
+    """The archive's member `name`, checked against the expected size and digest."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            data = z.read(name)
+    except (zipfile.BadZipFile, KeyError, OSError, EOFError, zlib.error) as e:
+        raise ValueError(f"{path} is not a zip archive holding {name} ({e})")
+    algorithm, expected = source['digest']
+    digest = hashlib.new(algorithm, data).hexdigest()
+    if len(data) != source['size'] or digest != expected:
+        raise ValueError(f"{path}: {name} is {len(data):,} bytes with {algorithm} {digest}, "
+                         f"expected {source['size']:,} bytes with {algorithm} {expected}")
+    return data
+
+
+def fetch(name, archive):
+    """The verified contents of enwik8 or text8: from the archive if it is there (or was put
+    there by hand), else downloaded, verified, and only then renamed into place."""
+    source = SOURCES[name]
+    if os.path.exists(archive):
+        try:
+            return unzip_verified(archive, name, source)
+        except ValueError as e:
+            die(f"{e}; delete it to download it again")
+    download(source['url'], archive + '.part', archive)
+    try:
+        data = unzip_verified(archive + '.part', name, source)
+    except ValueError as e:
+        os.remove(archive + '.part')
+        die(f"the download failed verification: {e}")
+    os.replace(archive + '.part', archive)
+    return data
+
+
+def prepare_download(name, data_dir):
+    """enwik8 or text8, split 90 / 5 / 5 over the corpus's fixed vocabulary."""
+    source, folder = SOURCES[name], os.path.join(data_dir, name)
+    meta = read_meta(folder)
+    if meta is not None:
+        return meta
+    os.makedirs(folder, exist_ok=True)
+    archive = os.path.join(folder, name + '.zip')
+    data = fetch(name, archive)
+    vocab = source['vocab']
+    lookup = np.full(256, 255, dtype=np.uint8)
+    lookup[vocab] = np.arange(len(vocab), dtype=np.uint8)
+    ids = lookup[np.frombuffer(data, dtype=np.uint8)]
+    if len(vocab) < 256 and (ids == 255).any():
+        die(f"{archive}: {name} holds bytes outside its {len(vocab)}-symbol vocabulary")
+    algorithm, digest = source['digest']
+    return write_splits(folder, ids, vocab, (90, 5, 5), source['url'], f'{algorithm}:{digest}')
+
+
+def prepare_text(path, folder, percents):
+    """A local text file, byte-level: its distinct bytes are the vocabulary. Prepared again
+    whenever the file's contents change."""
+    with open(path, 'rb') as f:
+        raw = f.read()
+    if not raw:
+        die(f"{path} is empty")
+    digest = 'md5:' + hashlib.md5(raw).hexdigest()
+    meta = read_meta(folder)
+    if meta is not None and meta['digest'] == digest:
+        return meta
+    data = np.frombuffer(raw, dtype=np.uint8)
+    vocab = np.unique(data)
+    return write_splits(folder, np.searchsorted(vocab, data).astype(np.uint8), vocab, percents,
+                        os.path.abspath(path), digest)
+
+
+def prepare(name, data_dir=''):
+    """meta (with 'dir') of the prepared dataset `name`, preparing it if needed."""
+    data_dir = data_dir or HERE   # resolved here, so a moved checkout still works
+    if name in SOURCES:
+        return prepare_download(name, data_dir)
+    if name == 'shakespeare':
+        return prepare_text(BUNDLED, os.path.join(data_dir, 'shakespeare'), (90, 10))
+    if not os.path.isfile(name):
+        die(f"dataset {name!r} is neither shakespeare, enwik8, text8, mix nor an existing file")
+    stem = os.path.splitext(os.path.basename(name))[0]
+    if stem in ('shakespeare', 'mix', *SOURCES):
+        die(f"{name} would be prepared into {data_dir}/{stem}/, which belongs to the {stem} dataset; rename it")
+    return prepare_text(name, os.path.join(data_dir, stem), (90, 5, 5))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, batches, text <-> token ids, and the score of a model on a whole split
+
+def load_dataset(name, data_dir='', vocab=None):
+    """(components, vocabulary). A component is one corpus (mix has two): its name, its splits
+    as memmaps and `lut`, its ids -> model ids (None when they are the same). The vocabulary, a
+    list of byte values, is the union of the components' unless a checkpoint fixes it."""
+    names = MIX if name == 'mix' else (name,)
+    metas = [prepare(n, data_dir) for n in names]
+    if vocab is None:
+        vocab = sorted(set().union(*(m['vocab'] for m in metas)))
+    components = []
+    for n, meta in zip(names, metas):
+        outside = sorted(set(meta['vocab']) - set(vocab))
+        if outside:
+            die(f"dataset {n} has {len(outside)} characters outside the model's vocabulary, "
+                f"e.g. {bytes(outside[:10])!r}")
+        lut = None if meta['vocab'] == vocab else torch.tensor([vocab.index(b) for b in meta['vocab']])
+        splits = {s: np.memmap(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8, mode='r') if size
+                  else np.zeros(0, dtype=np.uint8) for s, size in meta['splits'].items()}
+        components.append(dict(name=n, lut=lut, splits=splits))
+    return components, vocab
+
+
+def draw_rows(components, split, n, block_size, generator):
+    """n training rows as (component, offset): the component uniformly at random (1/2 each for
+    mix), the offset uniformly over that split's windows of block_size + 1 tokens."""
+    which = torch.randint(len(components), (n,), generator=generator)
+    room = torch.tensor([len(c['splits'][split]) - block_size for c in components], dtype=torch.float64)
+    offsets = (torch.rand(n, generator=generator, dtype=torch.float64) * room[which]).long()
+    return which, offsets
+
+
+def get_batch(components, split, which, offsets, block_size, device):
+    """Inputs x and next-token targets y, (B, T) int64 on device."""
+    rows = []
+    for c, o in zip(which.tolist(), offsets.tolist()):
+        row = torch.from_numpy(components[c]['splits'][split][o:o + block_size + 1].astype(np.int64))
+        rows.append(row if components[c]['lut'] is None else components[c]['lut'][row])
+    xy = torch.stack(rows)
+    if device.startswith('cuda'):
+        xy = xy.pin_memory().to(device, non_blocking=True)
+    else:
+        xy = xy.to(device)
+    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()   # contiguous: models may .view() them
+
+
+def check_lengths(components, splits, block_size):
+    for c in components:
+        for s in splits:
+            if s in c['splits'] and len(c['splits'][s]) <= block_size:
+                die(f"the {s} split of {c['name']} has {len(c['splits'][s])} tokens, "
+                    f"too few for block_size={block_size}")
+
+def encode(start, vocab, block_size):
+    """The prompt's token ids; FILE:path reads it from a file."""
+    if start.startswith('FILE:'):
+        try:
+            with open(start[5:], encoding='utf-8') as f:
+                start = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            die(f"cannot read the prompt from {start[5:]}: {e}")
+    elif start == '':
+        start = '\n' if ord('\n') in vocab else ' '
+    index = {b: i for i, b in enumerate(vocab)}
+    outside = sorted({ch for ch in start if any(b not in index for b in ch.encode())})
+    if outside:
+        die(f"the prompt has characters outside the model's {len(vocab)}-symbol vocabulary: "
+            + ' '.join(repr(ch) for ch in outside))
+    ids = [index[b] for b in start.encode()]
+    if not ids:
+        die("the prompt is empty")
+    if len(ids) > block_size:
+        die(f"the prompt is {len(ids)} tokens, longer than the model's context (block_size={block_size})")
+    return ids
+
+
+def decode(ids, vocab):
+    # ids past the vocabulary (a vocab_size set larger than it) become 0xFF, which shows as U+FFFD
+    return bytes(vocab[i] if i < len(vocab) else 0xFF for i in ids).decode('utf-8', errors='replace')
+
+
+@torch.no_grad()
+def split_loss(model, data, lut, cfg, device, ctx, desc=''):
+    """Mean loss of model(x, y) -> (logits, _) over every next-token target of a split's ids `data`
+    (all but its first token), as train_char.py --mode=eval scores it; cfg: block_size, stride
+    and batch_size. Windows of block_size start every `stride` tokens (0: block_size); each scores
+    only targets not scored before, so with a stride below block_size each target sees at least
+    block_size - stride tokens of context. Returns (mean loss in nats, number of targets)."""
+    T, batch_size = cfg['block_size'], cfg['batch_size']
+    stride = cfg['stride'] or T
+    starts = list(range(0, len(data) - T, stride))
+    if starts[-1] != len(data) - T - 1:
+        starts.append(len(data) - T - 1)   # a last window flush with the end
+    skips, scored = [], 1                  # scored: first target position not yet scored
+    for s in starts:
+        skips.append(scored - (s + 1))
+        scored = s + T + 1
+    total, count = 0.0, 0
+    for b in tqdm(range(0, len(starts), batch_size), desc=desc, unit='batch'):
+        batch = starts[b:b + batch_size]
+        rows = torch.stack([torch.from_numpy(data[s:s + T + 1].astype(np.int64)) for s in batch])
+        rows = (rows if lut is None else lut[rows]).to(device)
+        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        with ctx:
+            logits, _ = model(x, y)
+        nll = F.cross_entropy(logits.float().transpose(1, 2), y, reduction='none')   # (B, T)
+        keep = torch.arange(T, device=device) >= torch.tensor(skips[b:b + len(batch)], device=device)[:, None]
+        total += nll[keep].double().sum().item()
+        count += int(keep.sum())
+    return total / count, count
+
+
+def main(argv):
+    options, _ = configure(dict(data_dir=''), [a for a in argv if a.startswith('-')], doc=__doc__)
+    names = [a for a in argv if not a.startswith('-')]
+    if not names:
+        die("name the datasets to prepare: shakespeare, enwik8, text8, mix or a text file")
+    try:
+        for name in names:
+            for n in MIX if name == 'mix' else (name,):
+                meta = prepare(n, options['data_dir'])
+                print(f"{n}: {meta['dir']}: " + ', '.join(f'{s} {k:,}' for s, k in meta['splits'].items())
+                      + f" tokens, vocabulary of {len(meta['vocab'])}")
+    except OSError as e:   # an unwritable data_dir, a full disk: the system's own one-line reason
+        die(e)
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
