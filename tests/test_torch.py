@@ -209,6 +209,19 @@ def test_full_output_never_builds_M():
     assert mode.largest < 4 * 16 * 16 * 16 / 2
 
 
+@pytest.mark.parametrize("variant", [dict(share=True), dict(share=False, adaptive=False), dict(attn="dcmha")],
+                         ids=["shared", "unshared-static", "dcmha"])
+def test_compiles_as_one_graph(variant):
+    """torch.compile (which the GPU configs use) traces forward and backward without a graph
+    break. backend="eager" runs the traced graph as it is: the trace is what is checked here."""
+    torch._dynamo.reset()
+    model = GPT(GPTConfig(**TINY, **variant))
+    idx = tokens(model.config, (2, 8), 19)
+    logits, loss = torch.compile(model, backend="eager", fullgraph=True)(idx, idx)
+    loss.backward()
+    assert torch.equal(logits, model(idx)[0])
+
+
 # ----------------------------------------------------------------------------------------------
 # Incremental generation
 
