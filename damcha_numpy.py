@@ -45,6 +45,7 @@ class GPTConfig:
     gen_width: int = 64      # w, the hidden width of f
     bias: bool = True
     dropout: float = 0.0     # NumPy supports 0 only
+    attn_dropout: float = 0.0   # likewise; the fields are damcha_torch.GPTConfig's, less its kernel
 
     def __post_init__(self):
         sizes = dict(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
@@ -59,6 +60,7 @@ class GPTConfig:
             (self.gen_out in ("full", "folded"), f"gen_out must be 'full' or 'folded', not {self.gen_out!r}"),
             (self.gen_out == "full" or self.blocks == "all", "blocks other than 'all' need gen_out='full'"),
             (self.dropout == 0, "the NumPy model supports dropout=0 only"),
+            (self.attn_dropout == 0, "the NumPy model supports attn_dropout=0 only"),
         ]
         for ok, message in checks:
             if not ok:
