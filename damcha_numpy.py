@@ -45,6 +45,7 @@ class GPTConfig:
     gen_width: int = 64      # w, the hidden width of f
     bias: bool = True
     dropout: float = 0.0     # NumPy supports 0 only
+    attn_dropout: float = 0.0   # likewise; the fields are damcha_torch.GPTConfig's, less its kernel
 
     def __post_init__(self):
         sizes = dict(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
@@ -59,6 +60,7 @@ class GPTConfig:
             (self.gen_out in ("full", "folded"), f"gen_out must be 'full' or 'folded', not {self.gen_out!r}"),
             (self.gen_out == "full" or self.blocks == "all", "blocks other than 'all' need gen_out='full'"),
             (self.dropout == 0, "the NumPy model supports dropout=0 only"),
+            (self.attn_dropout == 0, "the NumPy model supports attn_dropout=0 only"),
         ]
         for ok, message in checks:
             if not ok:
@@ -315,9 +317,9 @@ def attention_forward(params, prefix, config, u, m):
         qkv, cache["c_attn"] = linear_forward(u, *_linear_params(params, prefix + "c_attn"))  # (B, T, 3D)
         q, k, v = (to_heads(a) for a in np.split(qkv, 3, axis=-1))
     else:
-        x = u.reshape(B, T, H, dh)                            # head slices x_i: no query/key projections
-        q, cache["query"] = metric_query_forward(x, m)        # Eq. 5: (B, T, H, dh)
-        q, k = q.transpose(0, 2, 1, 3), x.transpose(0, 2, 1, 3)
+        x_heads = u.reshape(B, T, H, dh)                      # head slices x_i: no query/key projections
+        q, cache["query"] = metric_query_forward(x_heads, m)  # Eq. 5: (B, T, H, dh)
+        q, k = q.transpose(0, 2, 1, 3), x_heads.transpose(0, 2, 1, 3)
         v, cache["c_v"] = linear_forward(u, *_linear_params(params, prefix + "c_v"))  # Eq. 7: V = u W_v^T + b_v
         v = to_heads(v)
     S, cache["scores"] = scores_forward(q, k)                 # Eq. 5: (B, H, T, T)
@@ -369,9 +371,9 @@ def mlp_forward(params, prefix, x):
 def mlp_backward(dy, cache):
     prefix, cache_fc, cache_gelu, cache_proj = cache
     grads = {}
-    dh, *dproj = linear_backward(dy, cache_proj)
+    dhidden, *dproj = linear_backward(dy, cache_proj)                            # (B, T, 4D)
     _store_linear_grads(grads, prefix + "c_proj", *dproj)
-    dx, *dfc = linear_backward(gelu_backward(dh, cache_gelu), cache_fc)
+    dx, *dfc = linear_backward(gelu_backward(dhidden, cache_gelu), cache_fc)
     _store_linear_grads(grads, prefix + "c_fc", *dfc)
     return dx, grads
 
@@ -398,8 +400,8 @@ def block_backward(dx, cache, dm_shared=None):
     """-> (dx, dm, grads). dm_shared: the gradient that later layers sent to this block's shared
     metrics; the block that owns the generator back-propagates it and returns dm = None."""
     prefix = cache["prefix"]
-    dh, grads = mlp_backward(dx, cache["mlp"])
-    dx2, *dln2 = layernorm_backward(dh, cache["ln_2"])
+    dmlp_in, grads = mlp_backward(dx, cache["mlp"])
+    dx2, *dln2 = layernorm_backward(dmlp_in, cache["ln_2"])
     _store_linear_grads(grads, prefix + "ln_2", *dln2)
     dx = dx + dx2
     du, dm, attn_grads = attention_backward(dx, cache["attn"])
@@ -583,13 +585,13 @@ def adamw_step(params, grads, state, lr, betas=(0.9, 0.95), eps=1e-8, weight_dec
     state["t"] = state.get("t", 0) + 1
     b1, b2, t = betas[0], betas[1], state["t"]
     for k, p in params.items():
-        m = state.setdefault("m." + k, np.zeros_like(p))
-        v = state.setdefault("v." + k, np.zeros_like(p))
-        m[...] = b1 * m + (1 - b1) * grads[k]
-        v[...] = b2 * v + (1 - b2) * grads[k] ** 2
+        g_mean = state.setdefault("m." + k, np.zeros_like(p))   # Adam's moments: the running mean of
+        g_sq = state.setdefault("v." + k, np.zeros_like(p))     # the gradient and of its square
+        g_mean[...] = b1 * g_mean + (1 - b1) * grads[k]
+        g_sq[...] = b2 * g_sq + (1 - b2) * grads[k] ** 2
         if p.ndim >= 2:
             p *= 1 - lr * weight_decay
-        p -= lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+        p -= lr * (g_mean / (1 - b1 ** t)) / (np.sqrt(g_sq / (1 - b2 ** t)) + eps)
 
 
 def load_corpus(path):

@@ -1,6 +1,5 @@
 """
-damcha_torch.py: the DAMCHA GPT in PyTorch, in the shape of nanoGPT's model.py, with the attention
-baselines it is compared against.
+damcha_torch.py: the DAMCHA GPT in PyTorch, in the shape of nanoGPT's model.py.
 
 DAMCHA (Data-Adaptive Mahalanobis Cross-Head Attention, arXiv 2610.13261) drops the query and
 key projections of multi-head attention. A small MLP, the metric generator f, reads the causal
@@ -10,50 +9,24 @@ blocks M_ij (j != i) let the other heads' subspaces shape head i's similarity.
 
 The model is the one docs/model.md describes; damcha_numpy.py is the NumPy reference with the same
 parameter names and layouts, so one set of weights loads into both (tests/test_torch.py checks
-logits, loss and every gradient against it in float64). What this file adds is speed:
+logits, loss and every gradient against it in float64). attn="mha" is the standard baseline;
+attn="tha" and "dcmha", Talking-Heads and DCMHA, live in baselines.py. What this file adds to
+the reference is speed:
   - gen_out="full" never builds the (B, T, D, D) tensor M: RowSum is linear, so it is applied
     to the last generator layer's weights inside forward (exact, gradients included);
-  - the metrics m (B, T, H, dh, dh), the largest tensors of a step, are applied with a hand-written
-    backward (MetricQuery) and handed from layer to layer, so that the gradient of the stack's
-    shared m is a single buffer that every layer adds into (at bench.py's --quick config this
-    took a train step from 0.63x to 0.77x MHA's throughput, and its memory from 103 to 74 MiB);
-  - softmax(q k^T) v goes through F.scaled_dot_product_attention (flash attention on CUDA);
+  - softmax(q k^T) v goes through F.scaled_dot_product_attention (flash attention on CUDA), or
+    with kernel="triton" through the fused kernel of damcha_triton.py;
   - with share=True the generator runs once per forward pass;
   - generate() decodes incrementally from a cache of keys, values and context sums.
-
-The baselines (attn=...) all use MHA's c_attn (rows [q; k; v]) and c_proj:
-  "mha"    standard multi-head attention;
-  "tha"    Talking-Heads attention (Shazeer et al. 2020): a learned H x H matrix mixes the heads'
-           logits before the softmax and another mixes their probabilities after it. Stored as
-           their difference from the identity, h.{l}.attn.pre_mix and .post_mix (H, H), zero at
-           init (the model starts as MHA, and weight decay pulls back towards it): 2 H^2
-           parameters per layer more than MHA;
-  "dcmha"  Dynamically Composable MHA (Xiao et al. 2024): the logits and then the probabilities
-           are composed across heads with weights computed from the block input (see compose):
-             h.{l}.attn.dyn_fc    Linear D -> 4 C, then GELU: the hidden units of the four
-                                  compositions (before the softmax query-wise and key-wise, after
-                                  it the same), C = 4H each, as in DCFormer
-             h.{l}.attn.dyn_proj  (4, 2 R H, C): each composition's output layer, giving its
-                                  w1 and w2 (R, H); rank R = 2
-             h.{l}.attn.dyn_gate  Linear D -> 4 H, then tanh: the gates d, zero at init
-           20 H D + 64 H^2 parameters per layer more than MHA, + 20 H with bias.
-Both materialise the (B, H, T, T) logits and probabilities, which F.scaled_dot_product_attention
-does not expose: their activation memory grows as T^2. damcha_numpy.py has "damcha" and "mha" only.
 
 Use it:
     from damcha_torch import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=65, block_size=256))
     logits, loss = model(idx, targets)            # idx, targets (B, T) int64
-Measure the peak memory of a train step, gen_out="full" against "folded" (each in a fresh
-process):
-    python damcha_torch.py
+Speed and peak memory are measured by bench.py (python bench.py --quick, python bench.py --memory).
 """
 import dataclasses
-import inspect
 import math
-import os
-import subprocess
-import sys
 
 import torch
 import torch.nn as nn
@@ -75,7 +48,8 @@ class GPTConfig:
     gen_depth: int = 2       # P, the number of linear layers in f
     gen_width: int = 64      # w, the hidden width of f
     bias: bool = True
-    dropout: float = 0.0     # embedding, attention and residual dropout while training (NumPy: 0 only)
+    dropout: float = 0.0     # embedding, residual and MLP dropout while training (NumPy: 0 only)
+    attn_dropout: float = 0.0   # dropout of the attention probabilities (NumPy, kernel="triton": 0 only)
     kernel: str = "torch"    # DAMCHA attention: "torch" (einsum + SDPA) | "triton" (damcha_triton.py, fused)
 
     def __post_init__(self):
@@ -91,9 +65,11 @@ class GPTConfig:
             (self.gen_out in ("full", "folded"), f"gen_out must be 'full' or 'folded', not {self.gen_out!r}"),
             (self.gen_out == "full" or self.blocks == "all", "blocks other than 'all' need gen_out='full'"),
             (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), not {self.dropout}"),
+            (0.0 <= self.attn_dropout < 1.0, f"attn_dropout must be in [0, 1), not {self.attn_dropout}"),
             (self.kernel in ("torch", "triton"), f"kernel must be 'torch' or 'triton', not {self.kernel!r}"),
             (self.kernel == "torch" or self.attn == "damcha", "kernel='triton' is for attn='damcha' only"),
-            (self.kernel == "torch" or self.dropout == 0, "kernel='triton' has no attention dropout: use dropout=0"),
+            (self.kernel == "torch" or self.attn_dropout == 0,
+             "kernel='triton' has no attention-probability dropout: use attn_dropout=0 (dropout is fine)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -164,13 +140,7 @@ class MetricGenerator(nn.ModuleList):
             # the exact gradient back to every entry of the full weight.
             weight = rowsum(weight, self.config).reshape(H * dh * dh, -1)
             bias = None if bias is None else rowsum(bias, self.config).reshape(H * dh * dh)
-        B, T, _ = c.shape
-        # F.linear's product, with the weight passed as a contiguous (w, out) copy (w*out numbers):
-        # autograd then forms the weight gradient as c^T dm, (w, B*T)(B*T, out), which MKL runs about
-        # twice as fast on the CPU as the dm^T c it picks for a transposed view (measured, w ~ 30)
-        c, weight = c.reshape(B * T, -1), weight.t().contiguous()
-        m = c @ weight if bias is None else torch.addmm(bias, c, weight)   # (B*T, H*dh*dh)
-        return m.view(B, T, H, dh, dh)
+        return F.linear(c, weight, bias).unflatten(-1, (H, dh, dh))  # (B, T, H, dh, dh)
 
 
 def add_metric(owner, config):
@@ -196,173 +166,66 @@ def compute_metric(owner, z, config, state=None):
     return owner.metric
 
 
-class MetricQuery(torch.autograd.Function):
-    """Eq. 5's query side with one metric per position: q_i = x_i m_i. x (B, T, H, dh) and
-    m (B, T, H, dh, dh) -> (q (B, T, H, dh), m), m passed on (as a view) to the next layer.
-
-    Why by hand: autograd's backward of the einsum takes torch's per-matrix bmm loop on the CPU
-    for the outer products dm = x_i^T dq_i (B*T*H products of a column and a row; measured over
-    10x slower than the broadcast product below). Why m is passed on: when the stack shares m,
-    layer l uses the m that layer l-1 returned, so the layers form a chain and backward hands
-    each layer the gradient of m summed over the layers above it; the layer adds its own
-    x_i^T dq_i into that buffer in place. Autograd's own summing would allocate one m-sized
-    gradient per layer and add them up: for a tensor this large that is memory traffic and,
-    the buffers being freshly mapped each step, page faults (measured: ~12k per step at the
-    bench's --quick config). Eager mode only: torch.compile rejects the returned view of m
-    being written in place, and CausalSelfAttention gives it the plain einsum instead."""
-
-    @staticmethod
-    def forward(ctx, x, m):
-        ctx.save_for_backward(x, m)
-        ctx.set_materialize_grads(False)                             # an unused m arrives as None
-        return (x.unsqueeze(-2) @ m).squeeze(-2), m.view_as(m)
-
-    @staticmethod
-    def backward(ctx, dq, dm):
-        # dq (B, T, H, dh); dm: the gradient of the m this layer passed on, or None at the top
-        if dq is None:
-            return None, dm
-        x, m = ctx.saved_tensors
-        dx = (dq.unsqueeze(-2) @ m.transpose(-1, -2)).squeeze(-2)   # dq_i m_i^T
-        if dm is None:
-            return dx, x.unsqueeze(-1) * dq.unsqueeze(-2)            # x_i^T dq_i
-        return dx, dm.addcmul_(x.unsqueeze(-1), dq.unsqueeze(-2))   # the chain's one buffer, in place
-
-
 # ----------------------------------------------------------------------------------------------
 # The transformer
 
-DCMHA_RANK = 2             # R, the rank of DCMHA's query-wise and key-wise compositions
-
-
-def compose(A, query, key):
-    """DCMHA's cross-head composition of logits or probabilities A (B, H, T, S):
-        C(A)[n,t,s] = A[n,t,s] + sum_r w2_q(t)[r,n] sum_m w1_q(t)[r,m] A[m,t,s]
-                               + sum_r w2_k(s)[r,n] sum_m w1_k(s)[r,m] A[m,t,s]
-                               + (d_q(t)[n] + d_k(s)[n]) A[n,t,s]
-    query = (w1_q, w2_q, d_q) of the T query positions, (B, T, R, H), (B, T, R, H), (B, T, H);
-    key = (w1_k, w2_k, d_k) of the S key positions, (B, S, R, H), (B, S, R, H), (B, S, H).
-    Every term mixes the heads at a single (t, s), never across positions."""
-    (w1q, w2q, dq), (w1k, w2k, dk) = query, key
-    out = A * (1 + dq.transpose(1, 2).unsqueeze(-1) + dk.transpose(1, 2).unsqueeze(-2))
-    out = out + torch.einsum("brts,btrn->bnts", torch.einsum("bmts,btrm->brts", A, w1q), w2q)
-    return out + torch.einsum("brts,bsrn->bnts", torch.einsum("bmts,bsrm->brts", A, w1k), w2k)
+def extend_cache(state, k, v):
+    """Decoding: append the new keys and values k, v (B, H, T, dh) to those of the earlier
+    positions kept in `state`, and return all of them, (B, H, t + T, dh). state None: no cache."""
+    if state is not None:
+        if "k" in state:
+            k = torch.cat([state["k"], k], dim=2)
+            v = torch.cat([state["v"], v], dim=2)
+        state["k"], state["v"] = k, v
+    return k, v
 
 
 class CausalSelfAttention(nn.Module):
-    """DAMCHA attention (Eqs. 5-8), or one of the baselines: attn="mha", "tha" or "dcmha"."""
+    """DAMCHA attention (Eqs. 3-8), or with attn="mha" standard multi-head attention."""
 
     def __init__(self, config):
         super().__init__()
-        D, H = config.n_embd, config.n_head
+        D = config.n_embd
         if config.attn == "damcha":
             self.c_v = nn.Linear(D, D, bias=config.bias)             # Eq. 7: the value projection
             if not config.share:
                 add_metric(self, config)
         else:
             self.c_attn = nn.Linear(D, 3 * D, bias=config.bias)      # rows [q; k; v]
-        if config.attn == "tha":
-            self.pre_mix = nn.Parameter(torch.zeros(H, H))           # logits mixed by I + pre_mix
-            self.post_mix = nn.Parameter(torch.zeros(H, H))          # probabilities by I + post_mix
-        if config.attn == "dcmha":
-            C = 4 * H
-            self.dyn_fc = nn.Linear(D, 4 * C, bias=config.bias)
-            self.dyn_proj = nn.Parameter(torch.empty(4, 2 * DCMHA_RANK * H, C))
-            self.dyn_gate = nn.Linear(D, 4 * H, bias=config.bias)
         self.c_proj = nn.Linear(D, D, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.config = config
 
     def forward(self, u, m=None, state=None):
         """u (B, T, D), the normalised layer input. m: the stack's shared metrics, or None when
-        this layer owns its generator (or there is none). state: this layer's decoding cache, or
-        None. Returns (y (B, T, D), the shared metrics for the next layer, see MetricQuery)."""
+        this layer owns its generator or static metric (or attn="mha"). state: this layer's
+        decoding cache, or None. Returns y (B, T, D)."""
         B, T, D = u.size()
         H = self.config.n_head
         dh = D // H
-        fused = self.config.kernel == "triton" and state is None    # decoding keeps the torch path
-        if self.config.attn == "damcha":
+        if self.config.attn == "mha":
+            q, k, v = (a.view(B, T, H, dh).transpose(1, 2) for a in self.c_attn(u).split(D, dim=2))
+        else:
+            if m is None:
+                m = compute_metric(self, u, self.config, state)      # Eqs. 3-4: m = RowSum(f(c))
             x = u.view(B, T, H, dh)                                  # head slices x_i: no q/k projections
-            own = m is None
-            if own:
-                m = compute_metric(self, u, self.config, state)
-            v = self.c_v(u).view(B, T, H, dh)                        # Eq. 7
-            if fused:
+            v = self.c_v(u).view(B, T, H, dh).transpose(1, 2)        # Eq. 7, (B, H, T, dh)
+            if self.config.kernel == "triton" and state is None:    # decoding keeps the torch path
                 from damcha_triton import damcha_attention           # imports triton only when asked
                 # Eqs. 5-7 in one kernel: each query q_i = x_i m_i is formed on chip, never stored
-                y = damcha_attention(x.transpose(1, 2), m, v.transpose(1, 2))          # (B, H, T, dh)
-            # Eq. 5, the query side: q_i = x_i m_i, one (dh x dh) metric per head and position, or
-            # a static one (then the einsum is one matrix product per head). torch.compile plans
-            # its own kernels and memory: it gets the plain einsum
-            elif m.dim() == 5 and not torch.compiler.is_compiling():
-                q, m = MetricQuery.apply(x, m)
-            else:
-                q = torch.einsum("bthd,bthde->bthe" if m.dim() == 5 else "bthd,hde->bthe", x, m)
-            if own:
-                m = None                                             # a layer's own metrics stay with it
-            k = x                                                    # keys are the slices x_i themselves
-        else:
-            q, k, v = (a.view(B, T, H, dh) for a in self.c_attn(u).split(D, dim=2))
-        if not fused:
-            q, k, v = (a.transpose(1, 2) for a in (q, k, v))         # (B, H, T, dh)
-            if state is not None:
-                if "k" in state:
-                    k = torch.cat([state["k"], k], dim=2)            # (B, H, t + T, dh)
-                    v = torch.cat([state["v"], v], dim=2)
-                state["k"], state["v"] = k, v
-            if self.config.attn in ("damcha", "mha"):
-                # Eqs. 5-7: softmax(q k^T / sqrt(dh)) v over s <= t. With a cache the T new queries
-                # are the last positions, so causal masking is only needed when there is no earlier
-                # token; GPT.forward feeds a single token once the cache holds any.
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.config.dropout if self.training else 0.0,
-                                                   is_causal=q.size(2) == k.size(2))
-            else:
-                y = self.composed_attention(q, k, v, u, state)
+                y = damcha_attention(x.transpose(1, 2), m, v)                              # (B, H, T, dh)
+                return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, D)))
+            # Eq. 5: q_i = x_i m_i, one (dh x dh) metric per head and position, or a static one
+            q = torch.einsum("bthd,bthde->bthe" if m.dim() == 5 else "bthd,hde->bthe", x, m).transpose(1, 2)
+            k = x.transpose(1, 2)                                    # the keys are the slices x_i themselves
+        k, v = extend_cache(state, k, v)                             # (B, H, S, dh), S = t + T
+        # Eqs. 5-7: softmax(q k^T / sqrt(dh)) v over s <= t. With a cache the T new queries are the
+        # last positions, so causal masking is only needed when there is no earlier token;
+        # GPT.forward feeds a single token once the cache holds any.
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.config.attn_dropout if self.training else 0.0,
+                                           is_causal=q.size(2) == k.size(2))                    # (B, H, T, dh)
         y = y.transpose(1, 2).reshape(B, T, D)                       # Eq. 8: concat(O_0 .. O_{H-1})
-        return self.resid_dropout(self.c_proj(y)), m
-
-    def composed_attention(self, q, k, v, u, state):
-        """THA and DCMHA: softmax attention whose heads are mixed before and after the softmax.
-        q (B, H, T, dh) for the T new positions, k and v (B, H, S, dh) for all S, u (B, T, D).
-        The mixing needs the (B, H, T, S) logits and probabilities themselves."""
-        T, S = q.size(2), k.size(2)
-        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)   # query t is key S - T + t
-        logits = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))                     # (B, H, T, S)
-        if self.config.attn == "tha":
-            logits = logits + torch.einsum("nm,bmts->bnts", self.pre_mix, logits)
-            probs = F.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-            # the masked probabilities are 0, and mixing heads at one (t, s) keeps them 0
-            probs = probs + torch.einsum("nm,bmts->bnts", self.post_mix, probs)
-        else:
-            pre, post = self.dynamic_weights(u, state)
-            # the mask comes after the pre-softmax composition, and the masked probabilities are
-            # zeroed after the post-softmax one, as in DCFormer
-            probs = F.softmax(compose(logits, *pre).masked_fill(~causal, float("-inf")), dim=-1)
-            probs = compose(probs, *post).masked_fill(~causal, 0.0)
-        probs = F.dropout(probs, self.config.dropout, self.training)
-        return probs @ v                                                             # (B, H, T, dh)
-
-    def dynamic_weights(self, u, state):
-        """DCMHA's weights, computed from the block input u (B, T, D) by a small MLP, for the four
-        compositions: w1 (RMS-normalised over the heads), w2 and the tanh gate d. Returns
-        (pre, post), each a pair (query, key) of compose's arguments. With a cache the weights of
-        the earlier positions come from it: they serve as keys to the new queries."""
-        B, T, _ = u.shape
-        H, R = self.config.n_head, DCMHA_RANK
-        hidden = F.gelu(self.dyn_fc(u), approximate="tanh").view(B, T, 4, -1)       # (B, T, 4, C)
-        w = torch.einsum("btgc,goc->btgo", hidden, self.dyn_proj).view(B, T, 4, 2, R, H)
-        w1, w2 = w.unbind(3)                                                         # (B, T, 4, R, H)
-        w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + 1e-6)
-        d = torch.tanh(self.dyn_gate(u)).view(B, T, 4, H)
-        if state is not None:
-            if "dyn" in state:
-                w1, w2, d = (torch.cat([old, new], dim=1) for old, new in zip(state["dyn"], (w1, w2, d)))
-            state["dyn"] = w1, w2, d
-        # composition g: 0 and 1 before the softmax (query-wise, key-wise), 2 and 3 after it;
-        # the queries are the last T positions, the keys all of them
-        query = lambda g: tuple(a[:, -T:, g] for a in (w1, w2, d))
-        key = lambda g: tuple(a[:, :, g] for a in (w1, w2, d))
-        return (query(0), key(1)), (query(2), key(3))
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
@@ -384,15 +247,52 @@ class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        if config.attn in ("tha", "dcmha"):
+            from baselines import ComposedAttention                  # the baselines' own module
+            self.attn = ComposedAttention(config)
+        else:
+            self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x, m=None, state=None):
-        """-> (x, the shared metrics m for the next block)"""
-        y, m = self.attn(self.ln_1(x), m, state)                     # attention sees u = ln_1(x)
-        x = x + y
-        return x + self.mlp(self.ln_2(x)), m
+        """x (B, T, D) -> (B, T, D). m: the stack's shared metrics, state: the decoding cache."""
+        x = x + self.attn(self.ln_1(x), m, state)                    # attention sees u = ln_1(x)
+        return x + self.mlp(self.ln_2(x))
+
+
+def init_weights(model, n_layer):
+    """nanoGPT's initialisation, as damcha_numpy.init_params: N(0, 0.02) for every Linear and
+    Embedding weight, the generator and the static metric; zero biases; the residual projections
+    c_proj N(0, 0.02 / sqrt(2 n_layer)). The baselines' extras (baselines.py): THA's mixes stay
+    zero as built, DCMHA's dyn_proj is N(0, 0.02) and its gates dyn_gate zero (tanh(0) = 0: the
+    compositions start near the identity, i.e. near MHA, and every weight has a gradient)."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight"):
+            nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+        elif name.endswith(("metric", "dyn_proj")):
+            nn.init.normal_(p, mean=0.0, std=0.02)
+        elif name.endswith("dyn_gate.weight"):
+            nn.init.zeros_(p)
+
+
+def configure_optimizers(model, weight_decay, learning_rate, betas, device_type):
+    """AdamW with weight decay for every tensor with >= 2 dims (weights, embeddings, static
+    metrics), none for biases and LayerNorm gains; fused on CUDA. Every training loop uses it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({"fused": True} if device_type == "cuda" else {}))
+
+
+# Dense peak FLOP/s of one H100 / H200 SXM (the same Hopper tensor cores): 16-bit, TF32 (the
+# float32 matmuls when TF32 is allowed), and IEEE float32 on the CUDA cores
+PEAK_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "tf32": 494.5e12, "float32": 66.9e12}
 
 
 class GPT(nn.Module):
@@ -407,29 +307,11 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         if self.shares_metric:
             add_metric(self, config)
-        # nanoGPT's init, as damcha_numpy.init_params: N(0, 0.02) weights, embeddings, generator
-        # and static metric; zero biases; residual projections scaled by 1/sqrt(2 n_layer).
-        # The baselines' extras: THA's mixes zero (built so), DCMHA's dyn_proj N(0, 0.02)
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-            elif name.endswith(("metric", "dyn_proj")):
-                torch.nn.init.normal_(p, mean=0.0, std=0.02)
-            elif name.endswith("dyn_gate.weight"):
-                # DCMHA's gates start at tanh(0) = 0, and its low-rank terms small (dyn_proj): the
-                # compositions start near the identity, i.e. near MHA, and every weight has a gradient
-                torch.nn.init.zeros_(p)
+        init_weights(self, config.n_layer)
 
     @property
     def shares_metric(self):
         return self.config.attn == "damcha" and self.config.share
-
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
 
     def get_num_params(self, non_embedding=True):
         """Parameter count; without the position embeddings by default, as nanoGPT. The token
@@ -454,7 +336,7 @@ class GPT(nn.Module):
             # input u (its LayerNorm is recomputed inside the block: cheap next to the generator)
             m = compute_metric(self, self.h[0].ln_1(x), self.config, None if cache is None else cache["shared"])
         for l, block in enumerate(self.h):
-            x, m = block(x, m, None if cache is None else cache["layers"][l])
+            x = block(x, m, None if cache is None else cache["layers"][l])
         logits = F.linear(self.ln_f(x), self.wte.weight)              # lm_head tied to wte (B, T, V)
         loss = None
         if targets is not None:
@@ -471,39 +353,28 @@ class GPT(nn.Module):
         return {"pos": 0, "layers": [{} for _ in self.h], "shared": {}}
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        # weight decay for every tensor with >= 2 dims (weights, embeddings, static metrics),
-        # none for biases and LayerNorm gains
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        print(f"num decayed parameter tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
-        print(f"num non-decayed parameter tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
-        use_fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        print(f"using fused AdamW: {use_fused}")
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({"fused": True} if use_fused else {}))
+        """nanoGPT's method: configure_optimizers(self, ...) above."""
+        return configure_optimizers(self, weight_decay, learning_rate, betas, device_type)
 
     def flops_per_token(self):
         """Training FLOPs per token at context block_size: 6 per multiply-add of the forward pass
         (2 forward, 4 backward), counting the matmuls as nanoGPT does (PaLM, appendix B), plus
         the metric generator and the metric application q_i = x_i m_i (Eq. 5), or the baselines'
-        head mixing. gen_out="full" is counted as it runs, folded: the generator's last layer
-        costs w*H*dh*dh per token; folding the weights (D*D*w adds per pass) is left out."""
+        head mixing. Attention is causal: a query at t meets t + 1 keys, T / 2 on average, so the
+        per-pair terms count half of the full T x T. gen_out="full" is counted as it runs,
+        folded: the generator's last layer costs w*H*dh*dh per token; folding the weights
+        (D*D*w adds per pass) is left out."""
         cfg = self.config
-        D, L, T, H, R = cfg.n_embd, cfg.n_layer, cfg.block_size, cfg.n_head, DCMHA_RANK
+        D, L, T, H = cfg.n_embd, cfg.n_layer, cfg.block_size, cfg.n_head
         dh = D // H
-        attention = 2 * T * D                                        # q k^T and A v over T positions
+        attention = T * D                                            # q k^T and A v: 2 D per key, T / 2 keys
         if cfg.attn == "damcha":
             per_layer = 2 * D * D + D * dh + attention               # c_v, c_proj, Eq. 5 (H*dh*dh)
         else:
             per_layer = 4 * D * D + attention                        # c_attn, c_proj
-        if cfg.attn == "tha":
-            per_layer += 2 * T * H * H                               # two H x H mixes at every (t, s)
-        if cfg.attn == "dcmha":
-            # the dynamic weights (dyn_fc, dyn_proj, dyn_gate), then at every (t, s) two
-            # compositions of 2 R H (query-wise) + 2 R H (key-wise) + 2 H (gates)
-            per_layer += 20 * H * D + 32 * R * H * H + 2 * (4 * R + 2) * H * T
+        if cfg.attn in ("tha", "dcmha"):
+            from baselines import mixing_macs
+            per_layer += mixing_macs(cfg)
         per_layer += 8 * D * D                                       # mlp
         generator = 0
         if cfg.attn == "damcha" and cfg.adaptive:
@@ -511,10 +382,23 @@ class GPT(nn.Module):
             generator = sum(a * b for a, b in zip(sizes, sizes[1:])) * (1 if cfg.share else L)
         return 6 * (L * per_layer + generator + D * cfg.vocab_size)  # + tied lm_head
 
-    def estimate_mfu(self, fwdbwd_per_iter, dt):
-        """Model FLOPs utilisation against the H100/H200 peak of 989e12 bf16 dense FLOP/s."""
+    def estimate_mfu(self, fwdbwd_per_iter, dt, dtype="bfloat16", peak_flops=None):
+        """Model FLOPs utilisation: flops_per_token() * block_size * fwdbwd_per_iter FLOPs in dt
+        seconds, against peak_flops, or by default the peak of one H100 / H200 SXM GPU for the
+        dtype the matmuls run in (PEAK_FLOPS): "bfloat16" or "float16" 989e12 FLOP/s dense,
+        "tf32" 494.5e12 (float32 with TF32 allowed), "float32" 66.9e12 (IEEE). A torch.dtype
+        is accepted: torch.float32 counts as "tf32" when CUDA's float32 matmuls may use TF32."""
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+            # read through the fp32_precision API: the legacy allow_tf32 raises once it has been
+            # used. "none" defers to the setting for all backends
+            precision = torch.backends.cuda.matmul.fp32_precision
+            if precision == "none":
+                precision = torch.backends.fp32_precision
+            if dtype == "float32" and precision == "tf32":
+                dtype = "tf32"
         flops_per_iter = self.flops_per_token() * self.config.block_size * fwdbwd_per_iter
-        return flops_per_iter / dt / 989e12
+        return flops_per_iter / dt / (peak_flops or PEAK_FLOPS[dtype])
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
@@ -542,7 +426,7 @@ class GPT(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Peak memory of one train step
+# Parameter counts and the learning-rate schedule, for the scripts
 
 def count_params(fields):
     """GPT.get_num_params of GPTConfig(**fields), built on the meta device: no memory, no time."""
@@ -574,70 +458,3 @@ def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
         return min_lr
     ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
-
-
-def train_step_peak_memory(config, batch_size, device="cpu"):
-    """Build the model and run one AdamW train step (forward, backward, update) in float32 at
-    T = block_size. A step of a tiny model of the same kind runs first, so that the libraries'
-    one-off allocations (on the CPU some 170 MiB of MKL, oneDNN and autograd state) count as
-    'before'. Returns (peak before building the model, peak after the step) in MiB: the
-    process's peak RSS on the CPU (Linux and macOS), the peak allocated memory on CUDA. The
-    peak RSS only ever grows, so on the CPU call it in a fresh process."""
-    def peak():
-        if device == "cuda":
-            return torch.cuda.max_memory_allocated() / 2**20
-        if os.path.exists("/proc/self/status"):
-            # Linux: the peak of this process image. getrusage's ru_maxrss would start from the
-            # size of the parent, which a subprocess inherits through fork and exec
-            with open("/proc/self/status") as status:
-                return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 2**10
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
-
-    def train_step(config, batch_size):
-        model = GPT(config).to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        idx = torch.randint(config.vocab_size, (batch_size, config.block_size), device=device)
-        _, loss = model(idx, idx)
-        loss.backward()
-        optimizer.step()
-
-    torch.manual_seed(0)
-    dh = config.n_embd // config.n_head
-    train_step(dataclasses.replace(config, n_layer=1, n_embd=config.n_head * min(dh, 16),
-                                   block_size=min(config.block_size, 16), gen_width=min(config.gen_width, 8)), 1)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    before = peak()
-    train_step(config, batch_size)
-    return before, peak()
-
-
-def fresh_process_peak_memory(fields, batch_size=4, device="cpu"):
-    """train_step_peak_memory(GPTConfig(**fields), batch_size, device) run in a fresh Python
-    process, where both peaks start from nothing. Returns (before, peak) in MiB."""
-    code = (f"import torch, damcha_torch as d; torch.set_num_threads(1); "
-            f"print(*d.train_step_peak_memory(d.GPTConfig(**{fields!r}), {batch_size}, {device!r}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
-    return tuple(float(s) for s in out.stdout.split())
-
-
-def compare_peak_memory(batch_size=4, device="cpu", **fields):
-    """Peak memory of a float32 train step with gen_out="full" and "folded", each measured in a
-    fresh Python process. Returns {gen_out: (before, peak)} in MiB."""
-    return {gen_out: fresh_process_peak_memory(dict(fields, gen_out=gen_out), batch_size, device)
-            for gen_out in ("full", "folded")}
-
-
-if __name__ == "__main__":
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    for share in (True, False):
-        fields = dict(vocab_size=65, block_size=512, n_layer=4, n_head=8, n_embd=256, gen_width=128, share=share)
-        print(f"B=4 {fields} on {device}, float32")
-        peaks = compare_peak_memory(4, device, **fields)
-        for gen_out, (before, peak) in peaks.items():
-            print(f"  gen_out={gen_out:7s} peak {peak:8.1f} MiB (model and step: {peak - before:8.1f} MiB)")
-        (full_before, full), (folded_before, folded) = peaks["full"], peaks["folded"]
-        print(f"  full / folded peak: {full / folded:.3f} (model and step: "
-              f"{(full - full_before) / (folded - folded_before):.3f})")

@@ -5,9 +5,12 @@ attention across four feature subspaces, one per head.
 
     python synthetic.py                  # the whole sweep, 2 worker processes (10 min on 2 cores)
     python synthetic.py --quick          # a smoke run: 1 seed, a few steps, results to /tmp
-    python synthetic.py --workers 1 --steps 200 --out /tmp/syn
-    python synthetic.py --steps 6000 --lambdas 0,0.6,1 --dims '' --out results/synthetic/long
+    python synthetic.py --workers=1 --steps=200 --out=/tmp/syn
+    python synthetic.py --steps=6000 --lambdas=0,0.6,1 --dims= --out=results/synthetic/long
                                          # the longer-training check of the regression (~6 min)
+
+Settings are --key=value (configurator.py): quick, out, workers, steps, batch, lr, n_layer, seeds,
+lambdas and dims (comma lists; empty skips the task).
 
 The paper's summary gives the tasks' structure but not their formulas; these are ours.
 
@@ -43,7 +46,8 @@ metric generator over the stack (share=True, as GPT does) with gen_out="folded" 
 same function class as "full": RowSum is linear), P = 2; its width w is damcha_torch.equal_params_width's,
 so that DAMCHA and MHA have equal parameter counts (within 5%; checked, and recorded per row).
 
-Training: AdamW (lr 3e-3, weight decay 0.01, betas (0.9, 0.99)), cosine decay to 10%, batch 64,
+Training: AdamW (damcha_torch.configure_optimizers: lr 3e-3, weight decay 0.01 on the matrices,
+betas (0.9, 0.99)), cosine decay to 10% (damcha_torch.get_lr, no warm-up), batch 64,
 `steps` steps on a fixed training set of 16384 samples, 2048 fresh test samples. Each seed draws
 the teacher, the data and the initialisation; DAMCHA and MHA see the same data (paired), and the
 relative gain of a seed is (MSE_mha - MSE_damcha) / MSE_mha (positive: DAMCHA better).
@@ -53,7 +57,6 @@ summary.json (the settings, and per point the mean and std over the seeds). The 
 results/synthetic/ holds the default sweep (1500 steps), results/synthetic/long/ the regression
 at three lambdas trained 4x longer (6000 steps), to see whether the trend over lambda holds.
 """
-import argparse
 import csv
 import json
 import math
@@ -66,7 +69,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from damcha_torch import GPT, Block, GPTConfig, add_metric, compute_metric, count_params, equal_params_width
+from configurator import configure, die
+from damcha_torch import (Block, GPTConfig, add_metric, compute_metric, configure_optimizers, count_params,
+                          equal_params_width, get_lr, init_weights)
 
 H = 4                                    # subspaces = heads
 T = 8                                    # tokens per sample
@@ -78,6 +83,8 @@ REG_DIM = 8                              # d_e of the regression task
 CLS_LAMBDA = 1.0
 N_TRAIN, N_TEST = 16384, 2048
 DEFAULTS = dict(steps=1500, batch=64, lr=3e-3, n_layer=2, seeds=3)
+SETTINGS = dict(DEFAULTS, quick=False, out="", workers=2, lambdas=",".join(map(str, LAMBDAS)),
+                dims=",".join(map(str, DIMS)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,17 +165,14 @@ class SetModel(nn.Module):
         self.head = nn.Linear(config.n_embd, n_out)
         if config.attn == "damcha" and config.share:
             add_metric(self, config)                                 # self.gen, as in GPT
-        self.apply(lambda module: GPT._init_weights(None, module))   # GPT's init, N(0, 0.02)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        init_weights(self, config.n_layer)                           # GPT's init
 
     def forward(self, x):
         m = None
         if self.config.attn == "damcha" and self.config.share:
             m = compute_metric(self, self.h[0].ln_1(x), self.config)   # as GPT.forward
         for block in self.h:
-            x, m = block(x, m)
+            x = block(x, m)
         return self.head(self.ln_f(x[:, -1]))                        # (B, n_out)
 
 
@@ -189,23 +193,20 @@ def train(attn, data, task, seed, steps=DEFAULTS["steps"], batch=DEFAULTS["batch
     config = model_config(attn, D, n_layer)
     torch.manual_seed(seed)
     model = SetModel(config, 1 if task == "regression" else K)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.99))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    opt = configure_optimizers(model, 0.01, lr, (0.9, 0.99), "cpu")
     g = torch.Generator().manual_seed(30_000 + seed)
     loss_fn = (lambda out, y: F.mse_loss(out[:, 0], y)) if task == "regression" else F.cross_entropy
     losses = []
     t0 = time.time()
     model.train()
-    for _ in range(steps):
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = get_lr(step, lr, 0, steps, lr / 10)        # cosine decay to 10%
         idx = torch.randint(x_tr.size(0), (batch,), generator=g)
         loss = loss_fn(model(x_tr[idx]), y_tr[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        sched.step()
         losses.append(loss.item())
     model.eval()
     with torch.no_grad():
@@ -258,39 +259,48 @@ def summarize(rows):
     return out
 
 
-def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 20 steps, 2 points per task")
-    parser.add_argument("--out", default=None, help="folder for runs.csv and summary.json")
-    parser.add_argument("--workers", type=int, default=2)
-    for name in ("steps", "batch", "n_layer", "seeds"):
-        parser.add_argument(f"--{name}", type=int, default=DEFAULTS[name])
-    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"])
-    parser.add_argument("--lambdas", default=",".join(map(str, LAMBDAS)), help="comma list; '' skips regression")
-    parser.add_argument("--dims", default=",".join(map(str, DIMS)), help="comma list; '' skips classification")
-    args = parser.parse_args(argv)
-    lambdas = tuple(float(v) for v in args.lambdas.split(",") if v)
-    dims = tuple(int(v) for v in args.dims.split(",") if v)
-    if args.quick:
-        args.steps, args.seeds, lambdas, dims = 20, 1, (0.0, 1.0), (4, 8)
-    out_dir = args.out or ("/tmp/synthetic_quick" if args.quick else os.path.join(os.path.dirname(
+def parse_list(key, text, kind):
+    """A comma list of numbers from a setting: '0,0.5,1' -> (0.0, 0.5, 1.0); '' -> ()."""
+    try:
+        return tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        die(f"{key}={text!r}: expected a comma list of {kind.__name__}s")
+
+
+def read_settings(argv):
+    """-> (settings of configure, lambdas, dims, out_dir); bad input ends in one line (die)."""
+    cfg, _ = configure(SETTINGS, argv, positive=("steps", "batch", "lr", "n_layer", "seeds", "workers"), doc=__doc__)
+    lambdas, dims = parse_list("lambdas", cfg["lambdas"], float), parse_list("dims", cfg["dims"], int)
+    if any(d < 1 for d in dims):
+        die(f"dims must be positive, not {cfg['dims']}")
+    if cfg["quick"]:
+        cfg["steps"], cfg["seeds"], lambdas, dims = 20, 1, (0.0, 1.0), (4, 8)
+    out_dir = cfg["out"] or ("/tmp/synthetic_quick" if cfg["quick"] else os.path.join(os.path.dirname(
         os.path.abspath(__file__)), "results", "synthetic"))
-    settings = dict(steps=args.steps, batch=args.batch, lr=args.lr, n_layer=args.n_layer)
-    jobs = [("regression", lam, s, settings) for lam in lambdas for s in range(args.seeds)]
-    jobs += [("classification", d, s, settings) for d in dims for s in range(args.seeds)]
-    jobs.sort(key=lambda j: -(j[1] if j[0] == "classification" else REG_DIM))   # the big ones first
+    return cfg, lambdas, dims, out_dir
+
+
+def run_jobs(jobs, workers):
+    """run_point over the jobs, in `workers` processes; the rows of all, in any order."""
     t0 = time.time()
     rows = []
-    if args.workers > 1:
+    done = lambda r: print(f"[{time.time() - t0:6.0f}s] {r[0]['task']} x={r[0]['x']} seed={r[0]['seed']} done", flush=True)
+    if workers > 1:
         import multiprocessing
-        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
             for r in pool.imap_unordered(run_point, jobs):
                 rows += r
-                print(f"[{time.time() - t0:6.0f}s] {r[0]['task']} x={r[0]['x']} seed={r[0]['seed']} done", flush=True)
+                done(r)
     else:
         for job in jobs:
-            rows += run_point(job)
-            print(f"[{time.time() - t0:6.0f}s] {job[0]} x={job[1]} seed={job[2]} done", flush=True)
+            r = run_point(job)
+            rows += r
+            done(r)
+    return rows
+
+
+def write_results(rows, meta, out_dir):
+    """runs.csv and summary.json in out_dir; the summary, one line per point, to stdout."""
     rows.sort(key=lambda r: (r["task"], r["x"], r["seed"], r["model"]))
     os.makedirs(out_dir, exist_ok=True)
     fields = ["task", "x", "seed", "model", "params", "gen_width", "train_loss", "test_mse", "test_loss",
@@ -301,16 +311,27 @@ def main(argv):
         for r in rows:
             writer.writerow({k: r.get(k) for k in fields})
     summary = summarize(rows)
-    meta = dict(settings, seeds=args.seeds, T=T, H=H, beta=BETA, K=K, reg_dim=REG_DIM, cls_lambda=CLS_LAMBDA,
-                n_train=N_TRAIN, n_test=N_TEST, lambdas=list(lambdas), dims=list(dims), workers=args.workers,
-                wall_seconds=round(time.time() - t0, 1), torch=torch.__version__,
-                command="python synthetic.py " + " ".join(argv))
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump({"settings": meta, "points": summary}, f, indent=1)
     for p in summary:
         print(f"{p['task']:14s} x={p['x']:<4} mha {p['mha_mean']:.4f}±{p['mha_std']:.4f} "
               f"damcha {p['damcha_mean']:.4f}±{p['damcha_std']:.4f} gain {p['gain_mean']:+.4f}±{p['gain_std']:.4f} "
               f"params {p['params_mha']}/{p['params_damcha']} w={p['gen_width']}")
+
+
+def main(argv):
+    cfg, lambdas, dims, out_dir = read_settings(argv)
+    settings = {k: cfg[k] for k in ("steps", "batch", "lr", "n_layer")}
+    jobs = [("regression", lam, s, settings) for lam in lambdas for s in range(cfg["seeds"])]
+    jobs += [("classification", d, s, settings) for d in dims for s in range(cfg["seeds"])]
+    jobs.sort(key=lambda j: -(j[1] if j[0] == "classification" else REG_DIM))   # the big ones first
+    t0 = time.time()
+    rows = run_jobs(jobs, cfg["workers"])
+    meta = dict(settings, seeds=cfg["seeds"], T=T, H=H, beta=BETA, K=K, reg_dim=REG_DIM, cls_lambda=CLS_LAMBDA,
+                n_train=N_TRAIN, n_test=N_TEST, lambdas=list(lambdas), dims=list(dims), workers=cfg["workers"],
+                wall_seconds=round(time.time() - t0, 1), torch=torch.__version__,
+                command="python synthetic.py " + " ".join(argv))
+    write_results(rows, meta, out_dir)
     print(f"wall time {time.time() - t0:.0f} s -> {out_dir}")
 
 

@@ -1,5 +1,12 @@
-"""Helpers shared by the tests. rel_err, max |a - b| / max |b| in float64, is defined once, in
-bench.py, which bench_triton_gpu.py imports it from too."""
-from bench import rel_err
+"""Helpers shared by the tests."""
+import numpy as np
+import torch
 
-__all__ = ["rel_err"]
+
+def rel_err(a, b):
+    """max |a - b| / max |b|, in float64, of two tensors (any dtype, any device) or arrays."""
+    a, b = (t.detach().double() if torch.is_tensor(t) else torch.tensor(np.asarray(t, dtype=np.float64))
+            for t in (a, b))
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
+    return ((a - b).abs().max() / b.abs().max()).item()

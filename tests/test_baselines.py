@@ -1,5 +1,6 @@
 """
-tests/test_baselines.py: checks the attention baselines of damcha_torch, DCMHA and Talking-Heads.
+tests/test_baselines.py: checks the attention baselines of baselines.py, DCMHA and Talking-Heads,
+built by damcha_torch.GPT for GPTConfig(attn="dcmha") and GPTConfig(attn="tha").
 
 Run: python -m pytest -q tests/test_baselines.py      (a few seconds on two CPU cores)
 
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from common import rel_err
-from damcha_torch import DCMHA_RANK, GPT, GPTConfig, compose
+from baselines import DCMHA_RANK, ComposedAttention, compose
+from damcha_torch import GPT, GPTConfig
 
 TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=3, n_embd=12)
 BASELINES = ["dcmha", "tha"]
@@ -81,8 +83,17 @@ def test_config_accepts_the_baselines_and_rejects_others():
 def test_flops_count_the_head_mixing():
     T, H, D, L, R = TINY["block_size"], TINY["n_head"], TINY["n_embd"], TINY["n_layer"], DCMHA_RANK
     flops = {attn: GPT(GPTConfig(**TINY, attn=attn)).flops_per_token() for attn in ("mha", "dcmha", "tha")}
-    assert flops["tha"] - flops["mha"] == 6 * L * 2 * T * H * H
-    assert flops["dcmha"] - flops["mha"] == 6 * L * (20 * H * D + 32 * R * H * H + 2 * (4 * R + 2) * H * T)
+    # the per-(t, s) terms over the T / 2 keys of a causal query on average
+    assert flops["tha"] - flops["mha"] == 6 * L * 2 * (T // 2) * H * H
+    assert flops["dcmha"] - flops["mha"] == 6 * L * (20 * H * D + 32 * R * H * H + 2 * (4 * R + 2) * H * (T // 2))
+
+
+@pytest.mark.parametrize("attn", BASELINES)
+def test_built_from_their_own_module_with_the_mha_keys(attn):
+    model = GPT(GPTConfig(**TINY, attn=attn))
+    assert all(isinstance(block.attn, ComposedAttention) for block in model.h)
+    mha_keys = GPT(GPTConfig(**TINY, attn="mha")).state_dict().keys()
+    assert mha_keys <= model.state_dict().keys()
 
 
 # ----------------------------------------------------------------------------------------------

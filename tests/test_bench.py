@@ -1,11 +1,13 @@
 """
 tests/test_bench.py: runs bench.py's parts on tiny models, for their results' form, not their speed.
 
-Run: python -m pytest -q tests/test_bench.py      (about 15 seconds on two CPU cores: the peak
+Run: python -m pytest -q tests/test_bench.py      (about 30 seconds on two CPU cores: the peak
 memory of each model is measured in a fresh Python process)
 """
-import argparse
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +15,8 @@ import torch
 import bench
 import damcha_torch
 
+ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=16)
-ARGS = argparse.Namespace(device="cpu", repeats=2)
 
 
 @pytest.mark.parametrize("gen_out, gen_depth", [("folded", 2), ("full", 2), ("folded", 3)])
@@ -32,9 +34,14 @@ def test_equal_params_width_needs_a_width_to_trade():
         damcha_torch.equal_params_width(10**9, dict(TINY, gen_depth=1))
 
 
-def test_measure_rows_are_json_with_the_required_keys():
+@pytest.fixture(scope="module")
+def rows():
+    """bench.measure's rows for a tiny MHA and DAMCHA (each model's memory in a fresh process)."""
     group = {"mha": (dict(TINY, attn="mha"), 2), "damcha": (dict(TINY, gen_width=8), 2)}
-    rows = bench.measure(group, "mha", ARGS, torch.float32)
+    return bench.measure(group, "mha", "cpu", torch.float32, repeats=2)
+
+
+def test_measure_rows_are_json_with_the_required_keys(rows):
     assert [row["name"] for row in rows] == ["mha", "damcha"]
     for row in rows:
         parsed = json.loads(json.dumps(row))
@@ -45,14 +52,62 @@ def test_measure_rows_are_json_with_the_required_keys():
 
 
 def test_cost_breakdown_times_every_part():
-    row = bench.cost_breakdown(dict(TINY, gen_width=8), 2, ARGS, torch.float32)
+    row = bench.cost_breakdown(dict(TINY, gen_width=8), 2, "cpu", torch.float32, repeats=2)
     assert {"name", "params", "tokens_per_sec", "peak_mb"} <= row.keys()
     assert all(row[f"{part}_ms"] > 0 for part in ("generator", "metric", "attention", "mha_qk"))
     json.dumps(row)
 
 
 def test_numpy_vs_torch_rows():
-    numpy_row, torch_row = bench.numpy_vs_torch(ARGS)
+    numpy_row, torch_row = bench.numpy_vs_torch(repeats=2)
     assert (numpy_row["name"], torch_row["name"]) == ("numpy_f64", "torch_f64")
     assert numpy_row["params"] == torch_row["params"] and numpy_row["time_vs_torch"] > 0
     json.dumps([numpy_row, torch_row])
+
+
+def test_time_alternately_times_every_step_in_alternating_order():
+    order = []
+    times = bench.time_alternately({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 3, "cpu",
+                                   warmup=1)
+    assert order == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]          # warm-up, then reversed every other round
+    assert all(len(t) == 3 and min(t) >= 0 for t in times.values())
+
+
+def test_summary_lines(rows):
+    parts = bench.cost_breakdown(dict(TINY, gen_width=8), 2, "cpu", torch.float32, repeats=2)
+    lines = bench.summarize(rows + [parts, dict(name="numpy_f64", time_vs_torch=2.5)])
+    assert lines[0].startswith("damcha vs mha:") and "generator width 8" in lines[0]
+    assert lines[-1].startswith("numpy / torch") and "2.50x, met" in lines[-1]
+
+
+def test_memory_report_compares_full_and_folded(monkeypatch):
+    # the fresh-process measurement itself runs in test_measure_rows_...; here its numbers are
+    # given, (before, peak) in MiB, to check what the report makes of them
+    peaks = {("full", True): (100.0, 300.0), ("folded", True): (100.0, 200.0),
+             ("full", False): (100.0, 500.0), ("folded", False): (100.0, 250.0)}
+    monkeypatch.setattr(bench, "fresh_process_peak_memory",
+                        lambda fields, batch_size, device: peaks[fields["gen_out"], fields["share"]])
+    lines = bench.memory_report(dict(TINY, gen_width=8), 2, "cpu")
+    assert len(lines) == 8 and lines[0].startswith("B=2") and "'share': True" in lines[0]
+    assert lines[3] == "  full / folded peak: 1.500 (model and step: 2.000)"
+    assert lines[7] == "  full / folded peak: 2.000 (model and step: 2.667)"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--n_head=3"], "n_head (3) must divide n_embd (128)"),
+    (["--device=gpu"], "device must be one of cpu, cuda"),
+    (["--batch_size=0"], "batch_size must be positive"),
+    (["--repeats=-1"], "repeats must be zero or more"),
+    (["--quick", "--workers=1"], "unknown setting 'workers'"),
+    (["--quick", "1"], "no such config file"),
+])
+def test_bad_settings_are_refused(args, message):
+    with pytest.raises(SystemExit) as refused:
+        bench.main(args)
+    assert message in str(refused.value)
+
+
+def test_bad_setting_gives_one_line_not_a_traceback():
+    out = subprocess.run([sys.executable, "bench.py", "--n_head=3"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == "error: n_head (3) must divide n_embd (128)\n"

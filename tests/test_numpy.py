@@ -281,6 +281,18 @@ def test_bad_input():
         dn.GPTConfig(blocks="diag", gen_out="folded")
     with pytest.raises(ValueError, match="targets"):
         dn.backward(params, config, dn.forward(params, config, np.zeros((1, 3), dtype=int))[2])
+    for dropout in ("dropout", "attn_dropout"):
+        with pytest.raises(ValueError, match=f"supports {dropout}=0 only"):
+            dn.GPTConfig(**{dropout: 0.1})
+
+
+def test_config_has_the_torch_fields_but_the_kernel():
+    # a torch GPTConfig, less its kernel, builds the NumPy model of the same settings (tests/test_triton.py
+    # does). Imported here: the rest of this file needs NumPy only
+    import dataclasses
+    import damcha_torch
+    names = lambda cls: [f.name for f in dataclasses.fields(cls)]
+    assert names(dn.GPTConfig) == [name for name in names(damcha_torch.GPTConfig) if name != "kernel"]
 
 
 def test_overfits_one_batch():

@@ -121,3 +121,34 @@ def test_committed_sweep_is_complete():
         assert abs(p["params_damcha"] / p["params_mha"] - 1) < 0.05
         assert all(math.isfinite(p[k]) for k in ("mha_mean", "damcha_mean", "gain_mean", "gain_std"))
     assert (RESULTS / "runs.csv").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workers", "1"], "options are written --key=value"),
+    (["--workers=0"], "workers must be positive"),
+    (["--lambdas=0,x"], "expected a comma list of floats"),
+    (["--dims=4,0"], "dims must be positive"),
+    (["--steps=2.5"], "expected int"),
+])
+def test_bad_settings_are_refused(args, message):
+    with pytest.raises(SystemExit) as refused:
+        syn.read_settings(args)
+    assert message in str(refused.value)
+
+
+def test_settings_lists_and_quick():
+    cfg, lambdas, dims, out_dir = syn.read_settings(["--workers=1", "--lambdas=0,0.6,1", "--dims=", "--out=/tmp/x"])
+    assert (cfg["workers"], lambdas, dims, out_dir) == (1, (0.0, 0.6, 1.0), (), "/tmp/x")
+    cfg, lambdas, dims, _ = syn.read_settings(["--quick"])
+    assert (cfg["steps"], cfg["seeds"], lambdas, dims) == (20, 1, (0.0, 1.0), (4, 8))
+
+
+def test_set_model_has_gpts_initialisation():
+    torch.manual_seed(0)
+    model = syn.SetModel(syn.model_config("damcha", 64, n_layer=4), 1)
+    params = dict(model.named_parameters())
+    assert abs(params["h.0.mlp.c_fc.weight"].std().item() / 0.02 - 1) < 0.05
+    assert abs(params["h.0.attn.c_proj.weight"].std().item() / (0.02 / math.sqrt(8)) - 1) < 0.1
+    assert abs(params["gen.1.weight"].std().item() / 0.02 - 1) < 0.05
+    assert all(torch.equal(p, torch.zeros_like(p)) for name, p in params.items()
+               if name.endswith("bias") and "ln" not in name)

@@ -209,6 +209,19 @@ def test_full_output_never_builds_M():
     assert mode.largest < 4 * 16 * 16 * 16 / 2
 
 
+@pytest.mark.parametrize("variant", [dict(share=True), dict(share=False, adaptive=False), dict(attn="dcmha")],
+                         ids=["shared", "unshared-static", "dcmha"])
+def test_compiles_as_one_graph(variant):
+    """torch.compile (which the GPU configs use) traces forward and backward without a graph
+    break. backend="eager" runs the traced graph as it is: the trace is what is checked here."""
+    torch._dynamo.reset()
+    model = GPT(GPTConfig(**TINY, **variant))
+    idx = tokens(model.config, (2, 8), 19)
+    logits, loss = torch.compile(model, backend="eager", fullgraph=True)(idx, idx)
+    loss.backward()
+    assert torch.equal(logits, model(idx)[0])
+
+
 # ----------------------------------------------------------------------------------------------
 # Incremental generation
 
@@ -254,10 +267,16 @@ def test_generate_from_a_prompt_longer_than_block_size():
 @pytest.mark.parametrize("bad", [dict(n_head=3), dict(attn="linear"), dict(blocks="upper"),
                                  dict(gen_out="half"), dict(gen_depth=0), dict(gen_out="folded", blocks="diag"),
                                  dict(kernel="cuda"), dict(kernel="triton", attn="mha"),
-                                 dict(kernel="triton", dropout=0.1), dict(dropout=1.0)])
+                                 dict(kernel="triton", attn_dropout=0.1), dict(dropout=1.0), dict(attn_dropout=1.0),
+                                 dict(attn_dropout=-0.1)])
 def test_config_rejects(bad):
     with pytest.raises(ValueError):
         GPTConfig(**dict(TINY, **bad))
+
+
+def test_triton_kernel_accepts_residual_dropout():
+    # the kernel has no attention-probability dropout; embedding, residual and MLP dropout are its callers'
+    assert GPTConfig(**TINY, kernel="triton", dropout=0.1).dropout == 0.1
 
 
 def test_sequence_longer_than_block_size_raises():
@@ -274,6 +293,23 @@ def test_dropout_is_off_in_eval_mode():
     reference.load_state_dict(model.state_dict())
     assert torch.equal(model.eval()(idx)[0], reference(idx)[0])
     assert not torch.equal(model.train()(idx)[0], reference(idx)[0])
+
+
+@pytest.mark.parametrize("attn", ["damcha", "mha", "tha", "dcmha"])
+def test_attention_dropout_is_its_own_setting(attn):
+    """With every nn.Dropout module (embedding, residual, MLP) switched off, a model in training
+    mode computes its eval-mode function when attn_dropout is 0, and another one when it is not."""
+    idx = tokens(GPTConfig(**TINY), (2, 8), 18)
+    outputs = {}
+    for attn_dropout in (0.0, 0.5):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**TINY, attn=attn, dropout=0.5, attn_dropout=attn_dropout)).train()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.eval()
+        outputs[attn_dropout] = model(idx)[0], model.eval()(idx)[0]
+    assert torch.equal(*outputs[0.0])
+    assert not torch.allclose(*outputs[0.5])
 
 
 def test_configure_optimizers_decays_matrices_only(capsys):
@@ -298,6 +334,31 @@ def test_flops_count_generator_and_metric():
     assert folded.flops_per_token() == shared.flops_per_token()
     mfu = shared.estimate_mfu(fwdbwd_per_iter=4, dt=1e-3)
     assert mfu == pytest.approx(shared.flops_per_token() * 8 * 4 / 1e-3 / 989e12)
+
+
+def test_flops_count_causal_attention():
+    # 6 per multiply-add: c_attn, c_proj and the MLP (12 D^2), q k^T and A v over the T / 2 keys
+    # a causal query meets on average (2 D T / 2), the tied lm_head (D V)
+    D, L, T, V = TINY["n_embd"], TINY["n_layer"], TINY["block_size"], TINY["vocab_size"]
+    mha = GPT(GPTConfig(**TINY, attn="mha"))
+    assert mha.flops_per_token() == 6 * (L * (12 * D * D + 2 * D * T // 2) + D * V)
+
+
+def test_mfu_peak_by_dtype():
+    model = GPT(GPTConfig(**TINY))
+    flops = model.flops_per_token() * TINY["block_size"] * 4 / 1e-3
+    assert model.estimate_mfu(4, 1e-3, "float16") == pytest.approx(flops / 989e12)
+    assert model.estimate_mfu(4, 1e-3, torch.bfloat16) == pytest.approx(flops / 989e12)
+    assert model.estimate_mfu(4, 1e-3, "float32") == pytest.approx(flops / 66.9e12)
+    assert model.estimate_mfu(4, 1e-3, peak_flops=1e12) == pytest.approx(flops / 1e12)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert model.estimate_mfu(4, 1e-3, torch.float32) == pytest.approx(flops / 66.9e12)
+        torch.set_float32_matmul_precision("high")                   # TF32 allowed
+        assert model.estimate_mfu(4, 1e-3, torch.float32) == pytest.approx(flops / 494.5e12)
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 # ----------------------------------------------------------------------------------------------
