@@ -47,7 +47,7 @@ METRICS = {"per_token": False, "static": True}
 DEFAULTS = dict(
     smoke=False,                  # tiny shapes on the CPU, Triton's interpreter
     n_layer=12,                   # layers of the GPT in the model rows
-    train_configs='config/enwik8_damcha.py',   # comma-separated config files for the train rows
+    train_configs='config/enwik8.py,config/damcha.py',   # comma-separated config files for the train rows
     train_iters=30,
     budget_check=70, budget_op=50, budget_model=150, budget_train=70,   # seconds per section
 )

@@ -15,7 +15,8 @@ n_layer = 12
 n_head = 8
 n_embd = 512
 block_size = 512
-dropout = 0.1
+dropout = 0.1                 # embeddings, residual and MLP
+attn_dropout = 0.0            # attention probabilities: off, so that --kernel=triton runs these configs
 
 batch_size = 32
 max_iters = 50000
