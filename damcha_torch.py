@@ -216,8 +216,8 @@ class CausalSelfAttention(nn.Module):
                 y = damcha_attention(x.transpose(1, 2), m, v)                              # (B, H, T, dh)
                 return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, D)))
             # Eq. 5: q_i = x_i m_i, a (1 x dh)(dh x dh) product per head and position, m (B, T, H, dh, dh),
-            # or per head for a static m (H, dh, dh). As a batched matmul rather than an einsum: its
-            # backward forms dm = x_i^T dq_i by broadcasting, about 10% faster for a whole CPU step
+            # or per head for a static m (H, dh, dh). A batched matmul rather than the einsum it equals:
+            # measured 10% faster for a whole training step on the CPU
             q = (x.unsqueeze(-2) @ m).squeeze(-2).transpose(1, 2)    # (B, H, T, dh)
             k = x.transpose(1, 2)                                    # the keys are the slices x_i themselves
         k, v = extend_cache(state, k, v)                             # (B, H, S, dh), S = t + T
