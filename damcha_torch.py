@@ -50,7 +50,7 @@ class GPTConfig:
     bias: bool = True
     dropout: float = 0.0     # embedding, residual and MLP dropout while training (NumPy: 0 only)
     attn_dropout: float = 0.0   # dropout of the attention probabilities (NumPy, kernel="triton": 0 only)
-    kernel: str = "torch"    # DAMCHA attention: "torch" (einsum + SDPA) | "triton" (damcha_triton.py, fused)
+    kernel: str = "torch"    # DAMCHA attention: "torch" (Eq. 5 product + SDPA) | "triton" (damcha_triton.py, fused)
 
     def __post_init__(self):
         sizes = dict(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
