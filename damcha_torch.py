@@ -245,7 +245,7 @@ class CausalSelfAttention(nn.Module):
                 return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, D)))
             # Eq. 5: q_i = x_i m_i, one (dh x dh) metric per head and position, or a static one
             q = torch.einsum("bthd,bthde->bthe" if m.dim() == 5 else "bthd,hde->bthe", x, m).transpose(1, 2)
-            k = xk.transpose(1, 2)                                   # the keys: the slices x_i themselves (slice)
+            k = xk.transpose(1, 2)                                   # slice: the keys are the x_i themselves; proj: (u W_k)_i
         k, v = extend_cache(state, k, v)                             # (B, H, S, dh), S = t + T
         # Eqs. 5-7: softmax(q k^T / sqrt(dh)) v over s <= t. With a cache the T new queries are the
         # last positions, so causal masking is only needed when there is no earlier token;
