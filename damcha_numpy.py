@@ -46,6 +46,9 @@ class GPTConfig:
     bias: bool = True
     dropout: float = 0.0     # NumPy supports 0 only
     attn_dropout: float = 0.0   # likewise; the fields are damcha_torch.GPTConfig's, less its kernel
+    qk: str = "slice"        # the study's variants (damcha_torch): NumPy has the spec's model only,
+    metric_init: str = "normal"  # so these three keep their defaults
+    mlp_hidden: int = 0
 
     def __post_init__(self):
         sizes = dict(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
@@ -61,6 +64,8 @@ class GPTConfig:
             (self.gen_out == "full" or self.blocks == "all", "blocks other than 'all' need gen_out='full'"),
             (self.dropout == 0, "the NumPy model supports dropout=0 only"),
             (self.attn_dropout == 0, "the NumPy model supports attn_dropout=0 only"),
+            ((self.qk, self.metric_init, self.mlp_hidden) == ("slice", "normal", 0),
+             "the NumPy model is the spec's: qk='slice', metric_init='normal', mlp_hidden=0 only"),
         ]
         for ok, message in checks:
             if not ok:

@@ -51,6 +51,12 @@ class GPTConfig:
     dropout: float = 0.0     # embedding, residual and MLP dropout while training (NumPy: 0 only)
     attn_dropout: float = 0.0   # dropout of the attention probabilities (NumPy, kernel="triton": 0 only)
     kernel: str = "torch"    # DAMCHA attention: "torch" (Eq. 5 product + SDPA) | "triton" (damcha_triton.py, fused)
+    # The 2x2 study (issue 15; PyTorch only, NumPy keeps the defaults):
+    qk: str = "slice"        # DAMCHA's queries and keys: "slice", the spec's q_i = x_i m_i, k_i = x_i;
+                             # "proj", MHA's projections with the metric: q_i = (u W_q)_i m_i, k_i = (u W_k)_i
+    metric_init: str = "normal"  # "normal": N(0, 0.02) as every weight; "identity": m_i = I at init
+                             # (the static metric, or the generator's last bias; its weight stays N(0, 0.02))
+    mlp_hidden: int = 0      # the MLP's hidden width; 0: 4 * n_embd. A width that can trade for parameters
 
     def __post_init__(self):
         sizes = dict(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
@@ -68,6 +74,12 @@ class GPTConfig:
             (0.0 <= self.attn_dropout < 1.0, f"attn_dropout must be in [0, 1), not {self.attn_dropout}"),
             (self.kernel in ("torch", "triton"), f"kernel must be 'torch' or 'triton', not {self.kernel!r}"),
             (self.kernel == "torch" or self.attn == "damcha", "kernel='triton' is for attn='damcha' only"),
+            (self.kernel == "torch" or self.qk == "slice", "kernel='triton' is for qk='slice' only"),
+            (self.qk in ("slice", "proj"), f"qk must be 'slice' or 'proj', not {self.qk!r}"),
+            (self.metric_init in ("normal", "identity"), f"metric_init must be 'normal' or 'identity', not {self.metric_init!r}"),
+            (self.metric_init == "normal" or self.bias or not self.adaptive,
+             "metric_init='identity' sets the generator's last bias: it needs bias=True"),
+            (self.mlp_hidden >= 0, f"mlp_hidden must be at least 0 (0: 4 * n_embd), not {self.mlp_hidden}"),
             (self.kernel == "torch" or self.attn_dropout == 0,
              "kernel='triton' has no attention-probability dropout: use attn_dropout=0 (dropout is fine)"),
         ]
@@ -166,6 +178,16 @@ def compute_metric(owner, z, config, state=None):
     return owner.metric
 
 
+def identity_metric(config):
+    """The metric whose every m_i is the identity, in the layout of the static metric or of the
+    generator's last bias: folded (H, dh, dh), full the D x D identity (M_ii = I, M_ij = 0 for
+    j != i, so RowSum gives I with blocks "all" or "diag", and 0 with "offdiag")."""
+    D, H = config.n_embd, config.n_head
+    if config.gen_out == "full":
+        return torch.eye(D)
+    return torch.eye(D // H).expand(H, -1, -1).clone()
+
+
 # ----------------------------------------------------------------------------------------------
 # The transformer
 
@@ -181,17 +203,19 @@ def extend_cache(state, k, v):
 
 
 class CausalSelfAttention(nn.Module):
-    """DAMCHA attention (Eqs. 3-8), or with attn="mha" standard multi-head attention."""
+    """DAMCHA attention (Eqs. 3-8), or with attn="mha" standard multi-head attention. With
+    qk="proj" DAMCHA's metric acts on MHA's projections: x_i below is (u W_q)_i for the query
+    and (u W_k)_i for the key, from MHA's c_attn, which also gives v."""
 
     def __init__(self, config):
         super().__init__()
         D = config.n_embd
-        if config.attn == "damcha":
+        if config.attn == "damcha" and config.qk == "slice":
             self.c_v = nn.Linear(D, D, bias=config.bias)             # Eq. 7: the value projection
-            if not config.share:
-                add_metric(self, config)
         else:
             self.c_attn = nn.Linear(D, 3 * D, bias=config.bias)      # rows [q; k; v]
+        if config.attn == "damcha" and not config.share:
+            add_metric(self, config)
         self.c_proj = nn.Linear(D, D, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.config = config
@@ -208,8 +232,12 @@ class CausalSelfAttention(nn.Module):
         else:
             if m is None:
                 m = compute_metric(self, u, self.config, state)      # Eqs. 3-4: m = RowSum(f(c))
-            x = u.view(B, T, H, dh)                                  # head slices x_i: no q/k projections
-            v = self.c_v(u).view(B, T, H, dh).transpose(1, 2)        # Eq. 7, (B, H, T, dh)
+            if self.config.qk == "slice":
+                x = xk = u.view(B, T, H, dh)                         # head slices x_i: no q/k projections
+                v = self.c_v(u).view(B, T, H, dh).transpose(1, 2)    # Eq. 7, (B, H, T, dh)
+            else:                                                    # projected: x_i = (u W_q)_i, keys (u W_k)_i
+                x, xk, v = (a.view(B, T, H, dh) for a in self.c_attn(u).split(D, dim=2))
+                v = v.transpose(1, 2)                                # (B, H, T, dh)
             if self.config.kernel == "triton" and state is None:    # decoding keeps the torch path
                 from damcha_triton import damcha_attention           # imports triton only when asked
                 # Eqs. 5-7 in one kernel: each query q_i = x_i m_i is formed on chip, never stored
@@ -219,7 +247,7 @@ class CausalSelfAttention(nn.Module):
             # or per head for a static m (H, dh, dh). A batched matmul rather than the einsum it equals:
             # measured 10% faster for a whole training step on the CPU
             q = (x.unsqueeze(-2) @ m).squeeze(-2).transpose(1, 2)    # (B, H, T, dh)
-            k = x.transpose(1, 2)                                    # the keys are the slices x_i themselves
+            k = xk.transpose(1, 2)                                   # slice: the keys are the x_i themselves; proj: (u W_k)_i
         k, v = extend_cache(state, k, v)                             # (B, H, S, dh), S = t + T
         # Eqs. 5-7: softmax(q k^T / sqrt(dh)) v over s <= t. With a cache the T new queries are the
         # last positions, so causal masking is only needed when there is no earlier token;
@@ -235,9 +263,10 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         D = config.n_embd
-        self.c_fc = nn.Linear(D, 4 * D, bias=config.bias)
+        hidden = config.mlp_hidden or 4 * D
+        self.c_fc = nn.Linear(D, hidden, bias=config.bias)
         self.gelu = nn.GELU(approximate="tanh")
-        self.c_proj = nn.Linear(4 * D, D, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, D, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -268,7 +297,9 @@ def init_weights(model, n_layer):
     Embedding weight, the generator and the static metric; zero biases; the residual projections
     c_proj N(0, 0.02 / sqrt(2 n_layer)). The baselines' extras (baselines.py): THA's mixes stay
     zero as built, DCMHA's dyn_proj is N(0, 0.02) and its gates dyn_gate zero (tanh(0) = 0: the
-    compositions start near the identity, i.e. near MHA, and every weight has a gradient)."""
+    compositions start near the identity, i.e. near MHA, and every weight has a gradient).
+    metric_init="identity" then sets every static metric, or every generator's last bias, to
+    identity_metric: each m_i starts at I, plus the generator's N(0, 0.02) noise."""
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -281,6 +312,13 @@ def init_weights(model, n_layer):
             nn.init.normal_(p, mean=0.0, std=0.02)
         elif name.endswith("dyn_gate.weight"):
             nn.init.zeros_(p)
+    config = model.config
+    if config.attn == "damcha" and config.metric_init == "identity":
+        last = f"gen.{config.gen_depth - 1}.bias"
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("metric") or name.endswith(last):
+                    p.copy_(identity_metric(config).reshape(p.shape))
 
 
 def configure_optimizers(model, weight_decay, learning_rate, betas, device_type):
@@ -371,13 +409,13 @@ class GPT(nn.Module):
         dh = D // H
         attention = T * D                                            # q k^T and A v: 2 D per key, T / 2 keys
         if cfg.attn == "damcha":
-            per_layer = 2 * D * D + D * dh + attention               # c_v, c_proj, Eq. 5 (H*dh*dh)
+            per_layer = (2 if cfg.qk == "slice" else 4) * D * D + D * dh + attention   # c_v or c_attn, c_proj, Eq. 5
         else:
             per_layer = 4 * D * D + attention                        # c_attn, c_proj
         if cfg.attn in ("tha", "dcmha"):
             from baselines import mixing_macs
             per_layer += mixing_macs(cfg)
-        per_layer += 8 * D * D                                       # mlp
+        per_layer += 2 * D * (cfg.mlp_hidden or 4 * D)               # mlp
         generator = 0
         if cfg.attn == "damcha" and cfg.adaptive:
             sizes = generator_sizes(cfg, D * dh)                     # the last layer as it runs: folded
@@ -436,15 +474,16 @@ def count_params(fields):
         return GPT(GPTConfig(**fields)).get_num_params()
 
 
-def equal_params_width(target, fields):
-    """The generator width w at which the DAMCHA model GPTConfig(**fields, gen_width=w) has the
-    parameter count nearest to target. The count grows with w, so bisect."""
-    count = lambda w: count_params(dict(fields, gen_width=w))
+def equal_params_width(target, fields, field="gen_width"):
+    """The width w at which GPTConfig(**fields, <field>=w) has the parameter count nearest to
+    target: field "gen_width", the generator's hidden width (a DAMCHA with a generator), or
+    "mlp_hidden", the MLP's (any model). The count grows with w, so bisect."""
+    count = lambda w: count_params(dict(fields, **{field: w}))
     lo, hi = 1, 2
     while count(hi) < target:
         lo, hi = hi, 2 * hi
         if hi > 2**20:
-            raise ValueError(f"no generator width reaches {target:,} parameters")
+            raise ValueError(f"no {field} reaches {target:,} parameters")
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if count(mid) < target else (lo, mid)

@@ -35,6 +35,19 @@ training, in snapshots/<run>/snapshot-<iter>.pt (train_char --snapshot_iters). C
 go to --out_root (default out-reproduce/<dataset>/<variant>-seed<k>/). A run whose eval JSON
 exists is skipped, so an interrupted sweep continues where it stopped; a run whose checkpoint
 exists but is not yet evaluated resumes from it.
+
+The 2x2 study (issue 15, --study=2x2): what in DAMCHA helps or hurts, at MHA's parameter count.
+Variants (STUDY below): mha; damcha (own slice, adaptive: the paper's model); static (own slice,
+one identity-initialised metric per layer, MLP width solved); proj (MHA's projections with the
+shared adaptive metric, identity-initialised, DAMCHA's generator width, MLP width solved);
+damcha_full (gen_out=full, the paper's Table 3 model, also evaluated with blocks=diag and offdiag).
+    python reproduce.py --study=2x2 --regime=lr      # LR sweep (--lr_grid, 1 seed), held-out slice of train
+    python reproduce.py --study=2x2 --regime=i       # one pass (1,860 iters), 5 seeds at the chosen rates
+    python reproduce.py --study=2x2 --regime=ii      # 6,000 iters (~3 passes) with dropout 0.1, 5 seeds
+Results under results/study2x2/<regime>/ (each eval JSON records the commit), checkpoints under
+out-study/2x2/<regime>/; finished runs are skipped, so each command resumes, and rerun on finished
+results it only rewrites summary.md / summary.json (paired differences to MHA with 95% t intervals
+at equal steps and at equal wall-clock, the train/val gap, the blocks evaluations).
 """
 import dataclasses
 import json
@@ -46,6 +59,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 from configurator import configure, die
@@ -58,7 +72,23 @@ VARIANTS = dict(mha=dict(attn='mha'), dcmha=dict(attn='dcmha'), damcha=dict(attn
                 damcha_static=dict(attn='damcha', adaptive=False),
                 damcha_unshared=dict(attn='damcha', share=False))
 OPTIONS = dict(dataset='shakespeare', seeds=3, variants=','.join(VARIANTS), max_iters=0, device='auto',
-               results='', out_root='', snapshot='damcha-seed1')
+               results='', out_root='', snapshot='damcha-seed1', study='', regime='i', lr_grid='1e-3,2e-3,4e-3')
+# The 2x2 study (issue 15, --study=2x2): how queries and keys are formed (own slice, or projected)
+# x whether the metric is static or adaptive, each at MHA's parameter count, plus the paper's
+# Table 3 model. `trade` names the width solved for MHA's count: the generator's, or the MLP's
+# (the projected adaptive metric keeps own-slice DAMCHA's generator width and gives MLP width).
+STUDY = dict(
+    mha=dict(fields=dict(attn='mha'), trade=None),                   # projected, static (m absorbed in W_q)
+    damcha=dict(fields=dict(attn='damcha'), trade='gen_width'),      # own slice, adaptive: the paper's model
+    static=dict(fields=dict(attn='damcha', adaptive=False, share=False, metric_init='identity'), trade='mlp_hidden'),
+    proj=dict(fields=dict(attn='damcha', qk='proj', metric_init='identity'), trade='mlp_hidden'),
+    damcha_full=dict(fields=dict(attn='damcha', gen_out='full'), trade='gen_width'),   # Table 3, also eval diag/offdiag
+)
+# regimes: "lr" the learning-rate sweep (one seed per rate, scored on a held-out slice of the training
+# split), "i" one pass over the training split (1,429,444 characters / (12 x 64) = 1,861 iterations),
+# "ii" several passes with dropout 0.1
+REGIMES = dict(lr=dict(max_iters=1860, eval_interval=100), i=dict(max_iters=1860, eval_interval=100),
+               ii=dict(max_iters=6000, eval_interval=250, dropout=0.1))
 # the run named by --snapshot also keeps its weights at these fractions of max_iters, in
 # <results>/snapshots/<run>/: notebooks/04 plots its learned metric over training from them
 SNAPSHOT_AT = (0, 0.025, 0.1, 0.3, 1)
@@ -98,10 +128,19 @@ def parse_options(argv):
             passthrough[key] = value
         else:
             die(f"{arg}: options are written --key=value")
-    opts, _ = configure(OPTIONS, own, doc=__doc__)
+    opts, given = configure(OPTIONS, own, doc=__doc__)
+    if opts['study'] not in ('', '2x2'):
+        die(f"study must be '' (issue 7's sweep) or '2x2', not {opts['study']!r}")
+    if opts['regime'] not in REGIMES:
+        die(f"regime must be one of {', '.join(REGIMES)}, not {opts['regime']!r}")
+    table = STUDY if opts['study'] else VARIANTS
+    if opts['study'] and 'variants' not in given:
+        opts['variants'] = ','.join(STUDY)
+    if opts['study'] and 'seeds' not in given:
+        opts['seeds'] = 5
     for v in opts['variants'].split(','):
-        if v and v not in VARIANTS:
-            die(f"unknown variant {v!r}; the variants are {', '.join(VARIANTS)}")
+        if v and v not in table:
+            die(f"unknown variant {v!r}; the variants are {', '.join(table)}")
     return opts, passthrough
 
 
@@ -152,9 +191,21 @@ def checkpoint_iter(out_dir):
         die(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it to train its run again")
 
 
-def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, note):
+def evaluate_checkpoint(run, out_dir, device, *more):
+    """train_char --mode=eval of out_dir (bpc of the whole val split, and test where there is one)."""
+    evaluation = subprocess.run([sys.executable, TRAIN_CHAR, '--mode=eval', f'--out_dir={out_dir}',
+                                 f"--device={device}", *more], stdout=subprocess.PIPE, text=True)
+    if evaluation.returncode:
+        die(f"evaluating {run} failed (its output is above)")
+    return json.loads(evaluation.stdout)
+
+
+def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, note, blocks=(), extra=None,
+                       may_diverge=False):
     """Train one run through train_char.py (resuming its checkpoint if there is one), evaluate it,
-    and keep its log, eval JSON and any weight snapshots under results."""
+    and keep its log, eval JSON and any weight snapshots under results. blocks: also evaluate with
+    these RowSum blocks (val_bpc_<blocks>); extra: keys added to the eval JSON. may_diverge: a run
+    that stops on a non-finite loss is recorded (failed, val_bpc inf) rather than ending the sweep."""
     trained = checkpoint_iter(out_dir)
     if trained is not None and trained >= max_iters:
         print(f"{run}: trained, {out_dir}/ckpt.pt is at max_iters; evaluating it", flush=True)
@@ -165,12 +216,16 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
             cmd.append('--snapshot_iters=' + ','.join(str(round(f * max_iters)) for f in SNAPSHOT_AT))
         print(f"train {run} ({note}): {' '.join(cmd[1:])}", flush=True)
         if subprocess.run(cmd).returncode:
-            die(f"training {run} failed (its output is above); rerun to resume it")
-    evaluation = subprocess.run([sys.executable, TRAIN_CHAR, '--mode=eval', f'--out_dir={out_dir}',
-                                 f"--device={opts['device']}"], stdout=subprocess.PIPE, text=True)
-    if evaluation.returncode:
-        die(f"evaluating {run} failed (its output is above)")
-    result = json.loads(evaluation.stdout)
+            if not may_diverge:
+                die(f"training {run} failed (its output is above); rerun to resume it")
+            result = dict(failed=True, val_bpc=float('inf')) | (extra or {})
+            with atomic_write(os.path.join(results, run + '.eval.json')) as f:
+                f.write((json.dumps(result, indent=2) + '\n').encode())
+            return result
+    result = evaluate_checkpoint(run, out_dir, opts['device'])
+    for b in blocks:
+        result[f'val_bpc_{b}'] = evaluate_checkpoint(run, out_dir, opts['device'], f'--blocks={b}')['val_bpc']
+    result |= extra or {}
     shutil.copyfile(os.path.join(out_dir, 'log.jsonl'), os.path.join(results, run + '.log.jsonl'))
     snapshots = sorted(f for f in os.listdir(out_dir) if f.startswith('snapshot-'))
     if snapshots:
@@ -231,8 +286,230 @@ def write_summary(rows, runs, opts, results):
     print('\n'.join(lines))
 
 
+# ----------------------------------------------------------------------------------------------
+# The 2x2 study (--study=2x2)
+
+def git_commit():
+    """The commit these runs come from, with '+dirty' when tracked files differ from it."""
+    head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=HERE, capture_output=True, text=True)
+    if head.returncode:
+        return 'unknown'
+    dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=HERE,
+                           capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + ('+dirty' if dirty else '')
+
+
+def t_quantile(p, dof):
+    """The p-quantile (p > 0.5) of Student's t with dof degrees of freedom: bisection on its CDF,
+    the density integrated by Simpson's rule (no scipy needed)."""
+    c = math.gamma((dof + 1) / 2) / (math.sqrt(dof * math.pi) * math.gamma(dof / 2))
+    pdf = lambda x: c * (1 + x * x / dof) ** (-(dof + 1) / 2)
+
+    def cdf(x, n=2000):
+        h = x / n
+        return 0.5 + h / 3 * (pdf(0) + pdf(x) + sum((4 if k % 2 else 2) * pdf(k * h) for k in range(1, n)))
+    lo, hi = 0.0, 100.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def interval(diffs):
+    """(mean, half-width of the 95% t interval) of paired differences; half-width None below 2."""
+    if not diffs:
+        return None, None
+    if len(diffs) < 2:
+        return diffs[0], None
+    return statistics.mean(diffs), t_quantile(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+
+
+def training_split_file(folder, data_dir):
+    """The bundled corpus's training split written as a text file: train_char splits a file
+    90/5/5, so the LR sweep's val is a held-out slice of the training split, never the real val."""
+    path = os.path.join(folder, 'shakespeare_train.txt')
+    if not os.path.exists(path):
+        components, vocab = load_dataset('shakespeare', data_dir)
+        os.makedirs(folder, exist_ok=True)
+        with atomic_write(path) as f:
+            f.write(bytes(bytearray(vocab[i] for i in components[0]['splits']['train'].tolist())))
+    return path
+
+
+def study_plan(opts, passthrough, variants, dataset, vocab_size):
+    """Every study variant's train_char settings and parameter count, its width solved for MHA's."""
+    common = dict(dataset=dataset, device=opts['device']) | REGIMES[opts['regime']]
+    common |= dict(max_iters=opts['max_iters']) if opts['max_iters'] else {}
+    common |= dict(lr_decay_iters=common['max_iters']) | ({'vocab_size': vocab_size} if vocab_size else {})
+    common |= passthrough
+    cfg = train_char_settings((), common)
+    base = {f.name: cfg[f.name] for f in dataclasses.fields(GPTConfig)}
+    base['vocab_size'] = base['vocab_size'] or len(load_dataset(cfg['dataset'], cfg['data_dir'])[1])
+    target = count_params(base | STUDY['mha']['fields'])
+    runs, params = {}, {}
+    for name in variants:
+        trade, fields = STUDY[name]['trade'], base | STUDY[name]['fields']
+        settings = common | STUDY[name]['fields']
+        if trade == 'mlp_hidden' and fields['adaptive']:   # projected: own-slice DAMCHA's generator
+            fields['gen_width'] = settings['gen_width'] = equal_params_width(target, fields | dict(qk='slice'))
+        if trade:
+            fields[trade] = settings[trade] = equal_params_width(target, fields, trade)
+        runs[name], params[name] = settings, count_params(fields)
+    return runs, params, cfg
+
+
+def read_evals(results):
+    """{run name: eval JSON} of every finished run under results."""
+    out = {}
+    for f in sorted(os.listdir(results)) if os.path.isdir(results) else []:
+        if f.endswith('.eval.json'):
+            with open(os.path.join(results, f)) as fh:
+                out[f.removesuffix('.eval.json')] = json.load(fh)
+    return out
+
+
+def read_log(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def chosen_rates(root):
+    """{variant: learning rate} chosen by the LR sweep (its summary.json), or a one-line error."""
+    path = os.path.join(root, 'lr', 'summary.json')
+    if not os.path.exists(path):
+        die(f"{path} does not exist: run the learning-rate sweep first (--regime=lr)")
+    with open(path) as f:
+        return json.load(f)['chosen_lr']
+
+
+def lr_summary(variants, grid, params, results, commit):
+    """Held-out bpc of each variant at each rate; the chosen rate is the lowest's."""
+    evals = read_evals(results)
+    lines = ['Learning-rate sweep: one seed, scored on a held-out slice of the training split (the 90-95% '
+             'part of the first 90% of the corpus), never on val.', '',
+             '| variant | params | ' + ' | '.join(f'lr {lr:g}' for lr in grid) + ' | chosen |',
+             '|---|---|' + '---|' * len(grid) + '---|']
+    chosen, table = {}, {}
+    for name in variants:
+        table[name] = {f'{lr:g}': evals[f'{name}-lr{lr:g}']['val_bpc'] for lr in grid if f'{name}-lr{lr:g}' in evals}
+        if len(table[name]) == len(grid):
+            best = min(grid, key=lambda lr: table[name][f'{lr:g}'])
+            chosen[name] = best
+        cells = [f"{table[name][f'{lr:g}']:.4f}" if f'{lr:g}' in table[name] else '...' for lr in grid]
+        note = '' if name not in chosen else f"{chosen[name]:g}" + (' (edge of the grid)' if chosen[name] in (grid[0], grid[-1]) else '')
+        lines.append(f"| {name} | {params[name]:,} | " + ' | '.join(cells) + f' | {note} |')
+    with open(os.path.join(results, 'summary.json'), 'w') as f:
+        json.dump(dict(grid=grid, held_out_bpc=table, chosen_lr=chosen, commit=commit), f, indent=2)
+    with open(os.path.join(results, 'summary.md'), 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    print('\n'.join(lines))
+
+
+def fmt_interval(mean, half):
+    return 'n/a' if mean is None else f'{mean:+.4f}' + ('' if half is None else f' [{mean - half:+.4f}, {mean + half:+.4f}]')
+
+
+def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
+    """Per variant: whole-val bpc, paired differences to MHA at equal steps and at equal wall-clock
+    (each pair's val estimates from log.jsonl interpolated at the earlier finishing time), with 95%
+    t intervals, the train/val gap (last logged estimates) and the run time."""
+    evals = read_evals(results)
+    logs = {run: read_log(os.path.join(results, run + '.log.jsonl')) for run in evals}
+    rows = []
+    for name in variants:
+        done = [s for s in range(1, seeds + 1) if f'{name}-seed{s}' in evals]
+        val = [evals[f'{name}-seed{s}']['val_bpc'] for s in done]
+        paired = [s for s in done if f'mha-seed{s}' in evals]
+        steps = [evals[f'{name}-seed{s}']['val_bpc'] - evals[f'mha-seed{s}']['val_bpc'] for s in paired]
+        clock = []
+        for s in paired:
+            a, b = logs[f'{name}-seed{s}'], logs[f'mha-seed{s}']
+            t = min(a[-1]['time'], b[-1]['time'])
+            at = lambda log: float(np.interp(t, [e['time'] for e in log], [e['val_bpc'] for e in log]))
+            clock.append(at(a) - at(b))
+        gaps = [(logs[f'{name}-seed{s}'][-1]['val_loss'] - logs[f'{name}-seed{s}'][-1]['train_loss']) / math.log(2)
+                for s in done]
+        row = dict(variant=name, lr=rates.get(name), params=params[name],
+                   rel_params_vs_mha=params[name] / params['mha'] - 1, runs=len(done), val_bpc=val,
+                   val_bpc_mean=mean_std(val)[0], val_bpc_std=mean_std(val)[1],
+                   diff_equal_steps=interval(steps), diff_equal_time=interval(clock),
+                   gap_mean=mean_std(gaps)[0], minutes=mean_std([logs[f'{name}-seed{s}'][-1]['time'] / 60 for s in done])[0],
+                   settings={k: v for k, v in runs[name].items() if k not in ('dataset', 'device')})
+        for b in ('diag', 'offdiag'):
+            values = [evals[f'{name}-seed{s}'][f'val_bpc_{b}'] for s in done if f'val_bpc_{b}' in evals[f'{name}-seed{s}']]
+            if values:
+                row[f'val_bpc_{b}'] = values
+        rows.append(row)
+    with open(os.path.join(results, 'summary.json'), 'w') as f:
+        json.dump(dict(regime=regime, seeds=seeds, commit=commit, rows=rows), f, indent=2)
+    lines = [f"2x2 study, regime {regime}: {REGIMES[regime]}; whole-val bpc, mean ± std over seeds; paired "
+             "differences to MHA (same seed, same batches) with 95% t intervals; equal time: each pair's val "
+             "estimates (log.jsonl) at the earlier finishing time; gap: val - train estimate at the end, bpc.", '',
+             '| variant | lr | params vs MHA | runs | val bpc | diff, equal steps | diff, equal time | gap | minutes |',
+             '|---|---|---|---|---|---|---|---|---|']
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['lr']:g} | {r['rel_params_vs_mha']:+.2%} | {r['runs']} | "
+                     f"{fmt(r['val_bpc_mean'], r['val_bpc_std'])} | {fmt_interval(*r['diff_equal_steps'])} | "
+                     f"{fmt_interval(*r['diff_equal_time'])} | {fmt(r['gap_mean'], None)} | {fmt(r['minutes'], None)} |")
+    for r in rows:
+        for b in ('diag', 'offdiag'):
+            if f'val_bpc_{b}' in r:
+                lines.append(f"\n{r['variant']} evaluated with blocks={b}: val bpc "
+                             f"{fmt(*mean_std(r[f'val_bpc_{b}']))} (trained with all blocks: {fmt(r['val_bpc_mean'], None)})")
+    with open(os.path.join(results, 'summary.md'), 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    print('\n'.join(lines))
+
+
+def study(opts, passthrough):
+    """The 2x2 study: --regime=lr sweeps the learning rates, i and ii train every variant at its
+    chosen rate for --seeds seeds; results in <results>/<regime>/, checkpoints in <out_root>/<regime>/."""
+    variants = [v for v in opts['variants'].split(',') if v]
+    if 'mha' not in variants:
+        die("the study's differences are to MHA: include mha in --variants")
+    regime = opts['regime']
+    root = opts['results'] or os.path.join(HERE, 'results', 'study' + opts['study'])
+    out_root = os.path.join(opts['out_root'] or os.path.join(HERE, 'out-study', opts['study']), regime)
+    results = os.path.join(root, regime)
+    commit = git_commit()
+    if regime == 'lr':
+        dataset = training_split_file(out_root, passthrough.get('data_dir', ''))
+        full_vocab = len(load_dataset(opts['dataset'], passthrough.get('data_dir', ''))[1])
+        runs, params, _ = study_plan(opts, passthrough, variants, dataset, full_vocab)
+        grid = sorted(float(r) for r in opts['lr_grid'].split(',') if r)
+        jobs = [(f'{name}-lr{lr:g}', name, dict(learning_rate=lr, min_lr=lr / 10, seed=1)) for lr in grid for name in variants]
+    else:
+        runs, params, _ = study_plan(opts, passthrough, variants, opts['dataset'], 0)
+        rates = chosen_rates(root)
+        missing = [v for v in variants if v not in rates]
+        if missing:
+            die(f"the LR sweep has chosen no rate yet for {', '.join(missing)}: finish --regime=lr first")
+        jobs = [(f'{name}-seed{s}', name, dict(learning_rate=rates[name], min_lr=rates[name] / 10, seed=s))
+                for s in range(1, opts['seeds'] + 1) for name in variants]
+    os.makedirs(results, exist_ok=True)
+    for run, name, extra in jobs:
+        eval_path = os.path.join(results, run + '.eval.json')
+        if os.path.exists(eval_path):
+            print(f"skip {run}: {eval_path} exists", flush=True)
+            continue
+        t0 = time.time()
+        settings = runs[name] | extra
+        blocks = ('diag', 'offdiag') if regime != 'lr' and settings.get('gen_out') == 'full' else ()
+        result = train_and_evaluate(run, os.path.join(out_root, run), (), settings, int(settings['max_iters']),
+                                    opts, results, f'{params[name]:,} parameters', blocks,
+                                    dict(commit=commit, variant=name, **extra), may_diverge=regime == 'lr')
+        print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}", flush=True)
+    if regime == 'lr':
+        lr_summary(variants, grid, params, results, commit)
+    else:
+        seed_summary(variants, opts['seeds'], runs, params, rates, results, regime, commit)
+
+
 def main(argv):
     opts, passthrough = parse_options(argv)
+    if opts['study']:
+        opts['snapshot'] = opts['snapshot'] if opts['snapshot'] != 'damcha-seed1' else ''
+        return study(opts, passthrough)
     dataset, variants = opts['dataset'], [v for v in opts['variants'].split(',') if v]
     results = opts['results'] or os.path.join(HERE, 'results', 'charlevel', os.path.basename(dataset))
     out_root = opts['out_root'] or os.path.join(HERE, 'out-reproduce', os.path.basename(dataset))

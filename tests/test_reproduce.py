@@ -67,3 +67,38 @@ def test_tiny_sweep_and_rerun(tmp_path):
     out, again = sweep(tmp_path)
     assert out.count('skip ') == len(VARIANTS) and 'train ' not in out
     assert again < first
+
+
+def test_study_2x2_lr_sweep_then_regime_i(tmp_path):
+    """--study=2x2: the LR sweep trains on the training split's own 90/5/5 split (never val) at the
+    full corpus's vocabulary, chooses a rate per variant, and regime i trains at it, records the
+    commit, evaluates the Table 3 model with blocks=diag and offdiag, and writes the paired intervals."""
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    args = ['--study=2x2', '--seeds=1', '--max_iters=4', '--eval_interval=2', '--eval_iters=1', '--n_layer=1',
+            '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=64', '--max_new_tokens=2', '--device=cpu',
+            '--variants=mha,damcha_full', f"--results={tmp_path / 'results'}", f"--out_root={tmp_path / 'out'}",
+            f"--data_dir={tmp_path / 'data'}"]
+    run = lambda *more: subprocess.run([sys.executable, 'reproduce.py', *args, *more], cwd=ROOT, capture_output=True,
+                                       text=True, timeout=300, env=env)
+    p = run('--regime=i')
+    assert p.returncode and 'run the learning-rate sweep first' in p.stderr and 'Traceback' not in p.stderr
+    p = run('--regime=lr', '--lr_grid=1e-3,3e-3')
+    assert p.returncode == 0, p.stdout + p.stderr
+    lr = json.loads((tmp_path / 'results' / 'lr' / 'summary.json').read_text())
+    for v in ('mha', 'damcha_full'):
+        scores = lr['held_out_bpc'][v]
+        assert lr['chosen_lr'][v] == float(min(scores, key=scores.get))
+        run_eval = json.loads((tmp_path / 'results' / 'lr' / f'{v}-lr0.001.eval.json').read_text())
+        assert run_eval['dataset'].endswith('shakespeare_train.txt') and run_eval['commit']
+    held_out = json.loads((tmp_path / 'data' / 'shakespeare_train' / 'meta.json').read_text())['splits']
+    train = json.loads((tmp_path / 'data' / 'shakespeare' / 'meta.json').read_text())['splits']['train']
+    assert sum(held_out.values()) == train   # the held-out slice is part of the training split
+    p = run('--regime=i')
+    assert p.returncode == 0, p.stdout + p.stderr
+    summary = json.loads((tmp_path / 'results' / 'i' / 'summary.json').read_text())
+    rows = {r['variant']: r for r in summary['rows']}
+    assert rows['mha']['lr'] == lr['chosen_lr']['mha'] and rows['damcha_full']['runs'] == 1
+    assert abs(rows['damcha_full']['rel_params_vs_mha']) < 0.02
+    assert len(rows['damcha_full']['val_bpc_diag']) == len(rows['damcha_full']['val_bpc_offdiag']) == 1
+    assert rows['mha']['diff_equal_steps'] == [0.0, None]
+    assert run('--regime=i').stdout.count('skip ') == 2

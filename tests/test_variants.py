@@ -1,0 +1,211 @@
+"""
+tests/test_variants.py: the 2x2 study's model variants in damcha_torch (issue 15).
+
+    python -m pytest -q tests/test_variants.py      (a few seconds)
+
+  qk="proj"               q_i = (u W_q)_i m_i, k_i = (u W_k)_i, v from MHA's c_attn
+  metric_init="identity"  every m_i starts at I (static metric, or the generator's last bias)
+  mlp_hidden              the MLP's hidden width (0: 4D), a width that trades for parameters
+In float64: the GPT equals a loop implementation of each formula (the projected attention is
+written out below; the rest comes from tests/spec_reference.py), qk="proj" with m = I equals
+MHA exactly, the own-slice static identity metric equals MHA with W_q = W_k = I; causality;
+parameter matching within 2% at train_char's default model; defaults unchanged.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from common import rel_err
+from damcha_torch import GPT, GPTConfig, compute_metric, count_params, equal_params_width
+from spec_reference import _gelu, _layernorm, _linear, _metrics, _softmax_1d, reference_forward
+
+TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, gen_width=6)
+PROJ = [dict(qk="proj", share=share, adaptive=adaptive, gen_out=gen_out)
+        for share in (True, False) for adaptive in (True, False) for gen_out in ("folded", "full")]
+PROJ_IDS = ["-".join(f"{k}={v}" for k, v in p.items()) for p in PROJ]
+
+
+def random_model(config, seed):
+    """A float64 GPT with every parameter random: weights N(0, 0.3), LayerNorm gains near 1."""
+    model = GPT(config).double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if "ln_" in name and name.endswith("weight") else 0.0
+            p.copy_(base + 0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+    return model
+
+
+def params_of(model):
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def tokens(config, shape, seed):
+    return torch.randint(config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def proj_attention(params, config, l, u, m):
+    """qk="proj", written out: S_i[t, s] = (u W_q)_i[t] m_i[t] (u W_k)_i[s]^T / sqrt(dh), s <= t."""
+    B, T, D = u.shape
+    H = config.n_head
+    dh = D // H
+    qkv = _linear(params, f"h.{l}.attn.c_attn", u)
+    q, k, v = qkv[..., :D], qkv[..., D:2 * D], qkv[..., 2 * D:]
+    out = np.zeros((B, T, D))
+    for b in range(B):
+        for i in range(H):
+            sl = slice(i * dh, (i + 1) * dh)
+            for t in range(T):
+                scores = np.array([q[b, t, sl] @ m[b, t, i] @ k[b, s, sl] / math.sqrt(dh) for s in range(t + 1)])
+                a = _softmax_1d(scores)
+                out[b, t, sl] = sum(a[s] * v[b, s, sl] for s in range(t + 1))
+    return _linear(params, f"h.{l}.attn.c_proj", out)
+
+
+def proj_forward(params, config, idx):
+    """The pre-LN GPT of spec_reference.reference_forward with the projected attention."""
+    T = idx.shape[1]
+    wte = params["wte.weight"]
+    x = wte[idx] + params["wpe.weight"][:T]
+    shared_m = None
+    for l in range(config.n_layer):
+        u = _layernorm(params, f"h.{l}.ln_1", x)
+        if config.share:
+            shared_m = _metrics(params, config, "", u) if shared_m is None else shared_m
+            m = shared_m
+        else:
+            m = _metrics(params, config, f"h.{l}.attn.", u)
+        x = x + proj_attention(params, config, l, u, m)
+        h = _gelu(_linear(params, f"h.{l}.mlp.c_fc", _layernorm(params, f"h.{l}.ln_2", x)))
+        x = x + _linear(params, f"h.{l}.mlp.c_proj", h)
+    return _layernorm(params, "ln_f", x) @ wte.T
+
+
+@pytest.mark.parametrize("variant", PROJ, ids=PROJ_IDS)
+def test_proj_matches_loop_reference(variant):
+    config = GPTConfig(**TINY, **variant, mlp_hidden=5)
+    model = random_model(config, 1)
+    idx = tokens(config, (2, 6), 0)
+    logits, _ = model(idx)
+    assert rel_err(logits, proj_forward(params_of(model), config, idx.numpy())) < 1e-10
+
+
+@pytest.mark.parametrize("gen_out", ["folded", "full"])
+def test_static_per_layer_with_mlp_hidden_matches_spec_reference(gen_out):
+    """The own-slice static metric, one per layer (adaptive=False, share=False), with another MLP width."""
+    config = GPTConfig(**TINY, adaptive=False, share=False, gen_out=gen_out, metric_init="identity", mlp_hidden=13)
+    model = random_model(config, 2)
+    assert model.h[0].mlp.c_fc.weight.shape == (13, 8)
+    idx = tokens(config, (2, 6), 0)
+    logits, _ = model(idx)
+    ref, _ = reference_forward(params_of(model), config, idx.numpy())
+    assert rel_err(logits, ref) < 1e-10
+
+
+def mha_twin(model, config):
+    """An MHA GPT holding every weight of `model` that MHA has (the metric and generator aside)."""
+    mha = GPT(GPTConfig(**{**vars(config), "attn": "mha"})).double()
+    mha.load_state_dict({k: v for k, v in model.state_dict().items() if k in mha.state_dict()}, strict=True)
+    return mha
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("gen_out", ["folded", "full"])
+def test_proj_with_identity_metric_is_mha(share, gen_out):
+    config = GPTConfig(**TINY, qk="proj", share=share, gen_out=gen_out, metric_init="identity")
+    model = random_model(config, 3)
+    with torch.no_grad():   # m = I at every position: the last layer outputs its identity bias only
+        for name, p in model.named_parameters():
+            if name.endswith(f"gen.{config.gen_depth - 1}.weight"):
+                p.zero_()
+            elif name.endswith(f"gen.{config.gen_depth - 1}.bias"):
+                p.copy_(GPT(config).state_dict()[name])
+    idx = tokens(config, (2, 8), 0)
+    assert torch.equal(model(idx)[0], mha_twin(model, config)(idx)[0])
+
+
+@pytest.mark.parametrize("gen_out", ["folded", "full"])
+def test_own_slice_static_identity_is_mha_with_identity_projections(gen_out):
+    """q_i = x_i I, k_i = x_i: MHA whose W_q, W_k are the (block-diagonal) identity, zero biases."""
+    config = GPTConfig(**TINY, adaptive=False, share=False, gen_out=gen_out, metric_init="identity")
+    model = random_model(config, 4)
+    D = config.n_embd
+    mha = GPT(GPTConfig(**{**vars(config), "attn": "mha"})).double()
+    state = {k: v for k, v in model.state_dict().items() if k in mha.state_dict()}
+    for l in range(config.n_layer):
+        model.h[l].attn.metric.data.copy_(GPT(config).h[l].attn.metric)   # the identity init
+        state[f"h.{l}.attn.c_attn.weight"] = torch.cat([torch.eye(D, dtype=torch.float64)] * 2
+                                                       + [model.h[l].attn.c_v.weight.data])
+        state[f"h.{l}.attn.c_attn.bias"] = torch.cat([torch.zeros(2 * D, dtype=torch.float64),
+                                                      model.h[l].attn.c_v.bias.data])
+    mha.load_state_dict(state, strict=True)
+    idx = tokens(config, (2, 8), 0)
+    assert rel_err(model(idx)[0], mha(idx)[0]) < 1e-12
+
+
+@pytest.mark.parametrize("variant", [dict(adaptive=False, share=False, metric_init="identity", gen_out="folded"),
+                                     dict(adaptive=False, share=False, metric_init="identity", gen_out="full"),
+                                     dict(gen_out="full", metric_init="identity")])
+def test_identity_init_gives_identity_metrics(variant):
+    config = GPTConfig(**TINY, **variant)
+    torch.manual_seed(0)
+    model = GPT(config)
+    if config.adaptive:   # the generator's last bias folds to I: with zero weights m = I everywhere
+        model.gen[-1].weight.data.zero_()
+        m = compute_metric(model, torch.randn(1, 3, config.n_embd), config)
+    else:
+        m = compute_metric(model.h[1].attn, None, config)
+    assert torch.equal(m, torch.eye(4).expand_as(m))
+
+
+@pytest.mark.parametrize("variant", [dict(qk="proj"), dict(qk="proj", share=False, metric_init="identity"),
+                                     dict(adaptive=False, share=False, metric_init="identity", mlp_hidden=7)])
+def test_causal(variant):
+    config = GPTConfig(**TINY, **variant)
+    model = random_model(config, 5)
+    idx = tokens(config, (1, 8), 0)
+    changed = idx.clone()
+    changed[0, 5:] = (idx[0, 5:] + 1) % config.vocab_size
+    assert torch.equal(model(idx)[0][:, :5], model(changed)[0][:, :5])
+    assert not torch.equal(model(idx)[0][:, 5:], model(changed)[0][:, 5:])
+
+
+def test_defaults_unchanged():
+    """mlp_hidden=0 is 4D, the same weights drawn in the same order; qk and metric_init default to the spec."""
+    for fields in (dict(TINY), dict(TINY, attn="mha")):
+        torch.manual_seed(0)
+        a = GPT(GPTConfig(**fields)).state_dict()
+        torch.manual_seed(0)
+        b = GPT(GPTConfig(**fields, mlp_hidden=4 * TINY["n_embd"])).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert GPTConfig().qk == "slice" and GPTConfig().metric_init == "normal"
+
+
+def test_flops_follow_the_variant():
+    base = GPT(GPTConfig(**TINY)).flops_per_token()
+    D, L = TINY["n_embd"], TINY["n_layer"]
+    assert GPT(GPTConfig(**TINY, qk="proj")).flops_per_token() - base == 6 * L * 2 * D * D
+    assert GPT(GPTConfig(**TINY, mlp_hidden=3 * D)).flops_per_token() - base == -6 * L * 2 * D * D
+
+
+def test_parameter_matching_within_2_percent():
+    """At train_char's default model: the generator width (DAMCHA, gen_out full or folded), or the
+    MLP width (the per-layer static metric; the projected adaptive metric at DAMCHA's generator width)."""
+    base = dict(vocab_size=80, block_size=64, n_layer=4, n_head=4, n_embd=128, gen_out="folded")
+    mha = count_params(dict(base, attn="mha"))
+    w = equal_params_width(mha, base)
+    models = [dict(base, gen_width=w), dict(base, gen_out="full", gen_width=equal_params_width(mha, dict(base, gen_out="full")))]
+    for fields in (dict(base, adaptive=False, share=False), dict(base, qk="proj", gen_width=w)):
+        models.append(dict(fields, mlp_hidden=equal_params_width(mha, fields, "mlp_hidden")))
+    for fields in models:
+        assert abs(count_params(fields) / mha - 1) < 0.02, fields
+    assert models[2]["mlp_hidden"] > 4 * 128 > models[3]["mlp_hidden"]   # static gains, proj gives width
+
+
+@pytest.mark.parametrize("bad", [dict(qk="both"), dict(metric_init="eye"), dict(mlp_hidden=-1),
+                                 dict(qk="proj", kernel="triton"), dict(metric_init="identity", bias=False)])
+def test_config_rejects(bad):
+    with pytest.raises(ValueError):
+        GPTConfig(**bad)
