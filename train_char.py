@@ -492,7 +492,8 @@ def start_logs(run):
     the interrupted run that it is about to redo. A checkpoint at iteration k is saved after the
     evaluation at k and before the step of k, which the resumed run takes again: log.jsonl keeps
     iter <= k and train_log.jsonl iter < k, so no line is repeated or lost."""
-    for name, keep in (('log.jsonl', lambda it: it <= run.iter_num), ('train_log.jsonl', lambda it: it < run.iter_num)):
+    k = run.iter_num
+    for name, keep in (('log.jsonl', lambda it: it <= k), ('train_log.jsonl', lambda it: it < k)):
         path = run.path(name)
         entries = read_jsonl(path) if run.ckpt and os.path.isfile(path) else []
         if not all(isinstance(e.get('iter'), int) for e in entries):

@@ -293,7 +293,8 @@ def test_damaged_checkpoints_get_one_line_that_recommends_nothing_unsafe(tmp_pat
     (tmp_path / 'empty' / 'ckpt.pt').write_bytes(b'')
     (tmp_path / 'random').mkdir()
     (tmp_path / 'random' / 'ckpt.pt').write_bytes(bytes(range(256)) * 8)
-    one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "empty"}'), 'ckpt.pt is empty (0 bytes), not a checkpoint')
+    one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "empty"}'),
+                   'ckpt.pt is empty (0 bytes), not a checkpoint')
     last = one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "random"}'), 'is not a readable checkpoint')
     assert 'weights_only' not in last and 'UnpicklingError' in last, last
     assert 'weights_only' not in json.dumps(fails('--init_from=resume', f'--out_dir={tmp_path / "random"}'))
