@@ -446,7 +446,8 @@ def start_processes(cfg, model_args, ckpt):
         if device.startswith('cuda'):
             torch.cuda.set_device(device)
     return Run(cfg, model_args, ckpt, ddp, rank, local_rank, world, cfg['gradient_accumulation_steps'] // world,
-               device, dtype, ctx, snapshots=snapshots)
+               device, dtype, ctx, snapshots=snapshots, iter_num=ckpt['iter_num'] if ckpt else 0,
+               saved_iter=ckpt['iter_num'] if ckpt else None)   # known from here, for a Ctrl-C message
 
 
 def load_data(run):
@@ -477,9 +478,7 @@ def build(run):
     run.batches = torch.Generator().manual_seed(cfg['seed'])   # the same on every process: see train_step
     if run.ckpt is not None:
         restore(run.ckpt, run.optimizer, run.scaler, run.batches, run.rank, run.device)
-        run.iter_num, run.best_val, run.tokens, run.elapsed = (
-            run.ckpt[k] for k in ('iter_num', 'best_val_loss', 'tokens', 'elapsed'))
-        run.saved_iter = run.iter_num
+        run.best_val, run.tokens, run.elapsed = (run.ckpt[k] for k in ('best_val_loss', 'tokens', 'elapsed'))
     run.start_iter = run.iter_num
     run.fast_model = torch.compile(run.raw_model) if cfg['compile'] else run.raw_model
     run.model = run.fast_model
