@@ -14,6 +14,7 @@ program with one line on stderr (die), never a traceback.
 """
 import ast
 import difflib
+import math
 import os
 
 
@@ -52,6 +53,8 @@ def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=No
         if config[key] not in allowed:
             die(f"{key} must be one of {', '.join(map(str, allowed))}, not {config[key]!r}")
     for key in tuple(positive) + tuple(non_negative):
+        if not math.isfinite(config[key]):   # nan passes every comparison below; inf reaches the libraries
+            die(f"{key} must be a finite number, not {config[key]}")
         if config[key] < 0 or (config[key] == 0 and key in positive):
             die(f"{key} must be {'positive' if key in positive else 'zero or more'}, not {config[key]}")
     return config, given

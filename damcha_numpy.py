@@ -640,6 +640,12 @@ def parse_args(argv, defaults):
     return out
 
 
+def stop_if_not_finite(what, loss, it):
+    """Weights past a non-finite loss are lost: stop at once, as train_char.py does."""
+    if not math.isfinite(loss):
+        raise SystemExit(f"the {what} loss became {loss} at iter {it}; stopped; try a lower --lr")
+
+
 def main(argv):
     settings = {f.name: f.default for f in fields(GPTConfig)}
     settings.update(iters=1500, batch_size=16, lr=1e-2, warmup=100, eval_every=250, seed=0, start="ROMEO:",
@@ -648,10 +654,21 @@ def main(argv):
     for key in ("iters", "batch_size", "warmup", "eval_every"):
         if settings[key] < 1:
             raise SystemExit(f"--{key} must be at least 1, not {settings[key]}")
+    if not (math.isfinite(settings["lr"]) and settings["lr"] > 0):   # lr < 0 would climb the loss
+        raise SystemExit(f"--lr must be a positive number, not {settings['lr']}")
+    if not 0 <= settings["seed"] < 2**32:
+        raise SystemExit(f"--seed must be a whole number from 0 to 2**32 - 1, not {settings['seed']}")
     if not Path(settings["data"]).is_file():
         raise SystemExit(f"--data={settings['data']}: no such file")
     data, vocab = load_corpus(settings["data"])
-    start = np.frombuffer(settings["start"].encode(), dtype=np.uint8)
+    if not len(data):
+        raise SystemExit(f"--data={settings['data']}: the file is empty")
+    try:   # the prompt is bytes, as the model reads: bytes typed that are not UTF-8 come back as they were
+        start = np.frombuffer(settings["start"].encode("utf-8", errors="surrogateescape"), dtype=np.uint8)
+    except UnicodeEncodeError as e:
+        raise SystemExit(f"--start cannot be written as bytes: {e.reason} at character {e.start}") from None
+    if not len(start):
+        raise SystemExit("--start is empty: the sample after training needs at least one character to follow")
     if not np.isin(start, vocab).all():
         raise SystemExit(f"--start={settings['start']!r} has characters that are not in the corpus")
     prompt = np.searchsorted(vocab, start)[None].astype(np.int64)
@@ -670,6 +687,7 @@ def main(argv):
     print(config)
     print(f"{sum(p.size for p in params.values()):,} parameters, {len(data):,} characters, vocab {len(vocab)}")
     state, iters, t0 = {}, settings["iters"], time.time()
+    np.seterr(over="ignore", invalid="ignore")   # a diverging run: stop_if_not_finite says it in one line
     for it in range(iters + 1):
         if it % settings["eval_every"] == 0 or it == iters:
             eval_rng = np.random.default_rng(1234)   # the same validation batches every time
@@ -677,10 +695,12 @@ def main(argv):
                                 for _ in range(8)])
             print(f"iter {it:5d} | val loss {val_loss:.4f} | val bpc {val_loss / math.log(2):.3f} "
                   f"| {time.time() - t0:6.1f}s")
+            stop_if_not_finite("val", val_loss, it)
         if it == iters:
             break
         x, y = get_batch(train, settings["batch_size"], config.block_size, rng)
         _, loss, cache = forward(params, config, x, y)
+        stop_if_not_finite("training", loss, it)
         grads = backward(params, config, cache)
         lr = settings["lr"] * min(1.0, (it + 1) / settings["warmup"]) * 0.5 * (1 + math.cos(math.pi * it / iters))
         adamw_step(params, grads, state, lr)

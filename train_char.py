@@ -22,12 +22,18 @@ out_dir may name other settings in braces: 'out-enwik8-{attn}' is out-enwik8-mha
 A run writes to out_dir: ckpt.pt, log.jsonl (one line per evaluation: the curves) and
 train_log.jsonl (one line per iteration: the losses that a resumed run reproduces exactly on CPU).
 Resumed, evaluated and sampled runs keep the checkpoint's settings except those you pass.
+A training run holds out_dir/train.lock while it runs: a second run in the same out_dir is refused.
+Ctrl-C stops a run (exit status 130) and says which checkpoint a resume will start from.
 """
 import dataclasses
+import errno
+import fcntl
 import importlib.util
 import json
 import math
 import os
+import re
+import shlex
 import sys
 import textwrap
 import time
@@ -98,6 +104,7 @@ POSITIVE = ('batch_size', 'gradient_accumulation_steps', 'eval_interval', 'eval_
 NON_NEGATIVE = ('max_iters', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'weight_decay', 'grad_clip',
                 'stride', 'max_new_tokens', 'top_k', 'vocab_size')
 LN2 = math.log(2)
+HELD = []   # this process's lock on its training run's out_dir (lock_out_dir), while train() runs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,6 +117,13 @@ def parse_config(argv):
         cfg['out_dir'] = cfg['out_dir'].format(**cfg)
     except (KeyError, IndexError, ValueError) as e:
         die(f"out_dir={cfg['out_dir']!r}: braces must hold a setting's name, as in out-enwik8-{{attn}} ({e!r})")
+    if not [d for d in cfg['out_dir'].split(',') if d.strip()]:
+        die(f"out_dir={cfg['out_dir']!r} names no folder")
+    for key in ('beta1', 'beta2'):   # Adam's moment decay rates
+        if not 0 <= cfg[key] < 1:
+            die(f"{key}={cfg[key]} must be at least 0 and below 1, e.g. 0.9")
+    if not 0 <= cfg['seed'] < 2**32:   # torch.manual_seed takes seed + rank, numpy up to 2**32 - 1
+        die(f"seed={cfg['seed']} must be a whole number from 0 to 2**32 - 1")
     return cfg, given
 
 
@@ -160,16 +174,31 @@ def load_checkpoint(out_dir):
     path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.isfile(path):
         die(f"no checkpoint at {path}")
+    if os.path.getsize(path) == 0:
+        die(f"{path} is empty (0 bytes), not a checkpoint")
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:   # torch.load raises many kinds for a damaged file; all mean the same
-        die(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:300]})")
+        die(f"{path} is not a readable checkpoint: damaged, or not written by train_char.py "
+            f"({type(e).__name__}: {load_error(e)})")
     needed = ('model', 'optimizer', 'scaler', 'model_args', 'config', 'vocab', 'iter_num', 'best_val_loss',
               'tokens', 'elapsed', 'rng')
     missing = [k for k in needed if k not in ckpt] if isinstance(ckpt, dict) else ['everything']
     if missing or not all(isinstance(ckpt[k], dict) for k in ('model', 'model_args', 'config')):
         die(f"{path} is not a checkpoint of train_char.py (it lacks {', '.join(missing) or 'the right types'})")
     return ckpt
+
+
+def load_error(e):
+    """torch.load's reason, without its advice to retry with weights_only=False: that runs any code
+    a file holds, which is no remedy for a damaged or untrusted checkpoint."""
+    text = str(e)
+    if 'WeightsUnpickler error:' in text:
+        text = text.split('WeightsUnpickler error:')[1].split('Check the documentation')[0]
+    else:
+        text = text.split('. ')[0]
+    text = ' '.join(text.split())[:200]
+    return text if 'weights_only' not in text else 'not a file of tensors and plain values'
 
 
 def parse_iters(text, max_iters):
@@ -230,11 +259,81 @@ def append_jsonl(path, entries):
 
 
 def read_jsonl(path):
+    """The entries of a log, one JSON object a line. A last line that does not parse is what a kill
+    or a full disk in the middle of an append leaves: it is dropped, and said on stderr. A bad line
+    before the last is damage done by something else: a one-line error naming it."""
     try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError) as e:
+        with open(path, 'rb') as f:
+            lines = [(n, line) for n, line in enumerate(f.read().split(b'\n'), 1) if line.strip()]
+    except OSError as e:
         die(f"cannot read {path}: {e}")
+    entries = []
+    for n, line in lines:
+        try:
+            entry = json.loads(line)
+            if not isinstance(entry, dict):
+                raise ValueError(f"a JSON {type(entry).__name__}, not an object")
+        except ValueError as e:   # UnicodeDecodeError is one too
+            if n == lines[-1][0]:
+                print(f"note: dropped the unreadable last line {n} of {path}, an interrupted write: "
+                      f"{line[:60].decode(errors='replace')!r}", file=sys.stderr)
+                break
+            die(f"{path}, line {n} of {len(lines)}, is unreadable ({e}): only a last line is dropped "
+                "(an interrupted write); repair or delete this one")
+        entries.append(entry)
+    return entries
+
+
+def lock_out_dir(out_dir):
+    """Hold out_dir for this training run: an exclusive flock on out_dir/train.lock, which the
+    kernel releases when the process ends in any way, SIGKILL included, so it never goes stale. The
+    file names the holder, for the message to a second run. The open file stays in HELD until
+    train() ends."""
+    os.makedirs(out_dir, exist_ok=True)
+    f = open(os.path.join(out_dir, 'train.lock'), 'a+')
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or 'a run that is just starting'
+        f.close()
+        die(f"{out_dir} is in use by another training run ({holder}); wait for it to end, "
+            "or choose another --out_dir")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}, "
+            f"command: {shlex.join([os.path.basename(sys.executable), *sys.argv])}\n")
+    f.flush()
+    HELD.append(f)
+    for name in os.listdir(out_dir):   # left by a run killed mid-save (atomic_write): nobody writes them now
+        if re.fullmatch(r'.+\.\d+\.tmp', name):
+            os.remove(os.path.join(out_dir, name))
+
+
+def why(e):
+    """An exception as a reason: 'the disk is full' when it, or the error it came from, says so
+    (torch.save reports a full disk as a RuntimeError raised while handling the OSError)."""
+    cause = e
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            return f"the disk is full ({cause.strerror})"
+        cause = cause.__cause__ or cause.__context__
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
+def save(run, name, obj):
+    """torch.save into out_dir/name through atomic_write: on any failure the partial file is gone
+    (atomic_write) and the previous one stays; the run ends with one line."""
+    try:
+        with atomic_write(run.path(name)) as f:
+            torch.save(obj, f)
+    except Exception as e:
+        die(f"could not save {run.path(name)}: {why(e)}; the partial file was removed; "
+            + last_good(run))
+
+
+def last_good(run):
+    return (f"{run.path('ckpt.pt')} (iter {run.saved_iter}) is the last good checkpoint"
+            if run.saved_iter is not None else "no checkpoint was written yet")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,9 +398,13 @@ def lr_at(it, cfg):
 
 
 def resolve(cfg, given):
-    """(settings, model fields, checkpoint or None), checked before anything is downloaded or built."""
+    """(settings, model fields, checkpoint or None), checked before anything is downloaded or
+    built. A resumed run locks out_dir (rank 0) before it reads the checkpoint, so the checkpoint
+    cannot change under it; a new run locks it once its input is checked (hold)."""
     ckpt = None
     if cfg['init_from'] == 'resume':
+        if os.environ.get('RANK', '0') == '0' and os.path.isdir(cfg['out_dir']):
+            lock_out_dir(cfg['out_dir'])
         ckpt = load_checkpoint(cfg['out_dir'])
         cfg, model_args = from_checkpoint(ckpt, cfg, given)
         if ckpt['iter_num'] >= cfg['max_iters']:
@@ -314,6 +417,16 @@ def resolve(cfg, given):
         model_args = {k: cfg[k] for k in MODEL_KEYS}
         model_config(model_args | {'vocab_size': model_args['vocab_size'] or 1})   # fail before downloading
     return cfg, model_args, ckpt
+
+
+def hold(run):
+    """out_dir locked by rank 0 for the rest of the run: a new run takes the lock here, once all
+    its input has been checked (no out_dir is made for a run that fails on a bad flag), and looks
+    again for a checkpoint that a run ending meanwhile may have left."""
+    if run.master and not HELD:
+        lock_out_dir(run.cfg['out_dir'])
+        if os.path.exists(run.path('ckpt.pt')):
+            die(f"{run.path('ckpt.pt')} exists: continue it with --init_from=resume, or choose another --out_dir")
 
 
 def start_processes(cfg, model_args, ckpt):
@@ -333,7 +446,8 @@ def start_processes(cfg, model_args, ckpt):
         if device.startswith('cuda'):
             torch.cuda.set_device(device)
     return Run(cfg, model_args, ckpt, ddp, rank, local_rank, world, cfg['gradient_accumulation_steps'] // world,
-               device, dtype, ctx, snapshots=snapshots)
+               device, dtype, ctx, snapshots=snapshots, iter_num=ckpt['iter_num'] if ckpt else 0,
+               saved_iter=ckpt['iter_num'] if ckpt else None)   # known from here, for a Ctrl-C message
 
 
 def load_data(run):
@@ -364,9 +478,7 @@ def build(run):
     run.batches = torch.Generator().manual_seed(cfg['seed'])   # the same on every process: see train_step
     if run.ckpt is not None:
         restore(run.ckpt, run.optimizer, run.scaler, run.batches, run.rank, run.device)
-        run.iter_num, run.best_val, run.tokens, run.elapsed = (
-            run.ckpt[k] for k in ('iter_num', 'best_val_loss', 'tokens', 'elapsed'))
-        run.saved_iter = run.iter_num
+        run.best_val, run.tokens, run.elapsed = (run.ckpt[k] for k in ('best_val_loss', 'tokens', 'elapsed'))
     run.start_iter = run.iter_num
     run.fast_model = torch.compile(run.raw_model) if cfg['compile'] else run.raw_model
     run.model = run.fast_model
@@ -375,12 +487,17 @@ def build(run):
 
 
 def start_logs(run):
-    """Empty logs, or a resumed run's logs up to its checkpoint: later lines belong to the part of
-    the interrupted run that it is about to redo."""
-    os.makedirs(run.cfg['out_dir'], exist_ok=True)
-    for name in ('log.jsonl', 'train_log.jsonl'):
+    """Empty logs, or a resumed run's logs cut at its checkpoint: later lines belong to the part of
+    the interrupted run that it is about to redo. A checkpoint at iteration k is saved after the
+    evaluation at k and before the step of k, which the resumed run takes again: log.jsonl keeps
+    iter <= k and train_log.jsonl iter < k, so no line is repeated or lost."""
+    k = run.iter_num
+    for name, keep in (('log.jsonl', lambda it: it <= k), ('train_log.jsonl', lambda it: it < k)):
         path = run.path(name)
-        kept = [e for e in read_jsonl(path) if e['iter'] <= run.iter_num] if run.ckpt and os.path.isfile(path) else []
+        entries = read_jsonl(path) if run.ckpt and os.path.isfile(path) else []
+        if not all(isinstance(e.get('iter'), int) for e in entries):
+            die(f"{path} has an entry without an iteration number: not a log of train_char.py")
+        kept = [e for e in entries if keep(e['iter'])]
         with atomic_write(path) as f:
             f.write(''.join(json.dumps(e) + '\n' for e in kept).encode())
     print(f"{sum(p.numel() for p in run.raw_model.parameters()):,} parameters; {run.tokens_per_iter:,} tokens "
@@ -390,9 +507,8 @@ def start_logs(run):
 
 def stop(run, what, value, it):
     """A non-finite loss ends the run, on every process, without saving the bad weights."""
-    die(f"the {what} loss became {value} at iter {it}; stopped without saving: "
-        + (f"{run.path('ckpt.pt')} (iter {run.saved_iter}) is the last good checkpoint" if run.saved_iter else
-           "no checkpoint was written yet") + "; try a lower learning_rate")
+    die(f"the {what} loss became {value} at iter {it}; stopped without saving: {last_good(run)}; "
+        "try a lower learning_rate")
 
 
 def log_losses(run, bar):
@@ -447,8 +563,7 @@ def save_checkpoint(run, states, elapsed):
                       scaler=run.scaler.state_dict(), model_args=run.model_args, config=run.cfg,
                       vocab=run.vocab, iter_num=run.iter_num, best_val_loss=run.best_val, tokens=run.tokens,
                       elapsed=elapsed, rng=dict(batches=run.batches.get_state(), torch=states))
-    with atomic_write(run.path('ckpt.pt')) as f:
-        torch.save(checkpoint, f)
+    save(run, 'ckpt.pt', checkpoint)
     run.saved_iter = run.iter_num
 
 
@@ -456,8 +571,7 @@ def save_snapshot(run):
     """The weights only, in float16: for looking at (the learned metric over training), not for resuming."""
     weights = {k: v.to(torch.float16) for k, v in run.raw_model.state_dict().items()}
     snapshot = dict(model=weights, model_args=run.model_args, vocab=run.vocab, iter_num=run.iter_num)
-    with atomic_write(run.path(f'snapshot-{run.iter_num}.pt')) as f:
-        torch.save(snapshot, f)
+    save(run, f'snapshot-{run.iter_num}.pt', snapshot)
 
 
 def train_step(run):
@@ -540,12 +654,30 @@ def rng_states(ddp):
 
 
 def train(cfg, given):
-    cfg, model_args, ckpt = resolve(cfg, given)
-    run = start_processes(cfg, model_args, ckpt)
+    try:
+        cfg, model_args, ckpt = resolve(cfg, given)
+        run = start_processes(cfg, model_args, ckpt)
+        try:
+            train_run(run)
+        except KeyboardInterrupt:   # Ctrl-C: no traceback; what is on disk is whole (atomic_write)
+            if run.master:
+                print(f"interrupted at iter {run.iter_num}: " + (
+                    f"a resume (--init_from=resume) starts from {run.path('ckpt.pt')} at iter {run.saved_iter}"
+                    if run.saved_iter is not None else "no checkpoint was written yet: a rerun starts from scratch"),
+                    file=sys.stderr)
+            raise SystemExit(130)
+    finally:   # the process ending releases the lock anyway; this is for train() called in-process
+        while HELD:
+            HELD.pop().close()
+
+
+def train_run(run):
+    cfg = run.cfg
     if run.master:
         print('config:\n' + textwrap.indent(textwrap.fill(
             ' '.join(f'{k}={v!r}' for k, v in cfg.items()), 100, break_long_words=False), '  '))
     load_data(run)
+    hold(run)
     build(run)
     if run.master:
         start_logs(run)
@@ -628,7 +760,13 @@ def plot(cfg, given):
     import matplotlib   # here, not at the top: only this mode needs it, and it is slow to import
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    dirs = [d for d in cfg['out_dir'].split(',') if d]
+    formats = plt.gcf().canvas.get_supported_filetypes()
+    extension = os.path.splitext(cfg['plot_file'])[1][1:].lower()
+    if cfg['plot_file'] and extension not in formats:
+        die(f"plot_file={cfg['plot_file']!r}: end it in a format matplotlib writes: "
+            + ', '.join('.' + f for f in sorted(formats)))
+    plt.close()
+    dirs = [d for d in cfg['out_dir'].split(',') if d.strip()]
     fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for d in dirs:
         log = read_jsonl(os.path.join(d, 'log.jsonl'))
@@ -659,7 +797,10 @@ def main(argv):
     try:
         modes[cfg['mode']](cfg, given)
     except OSError as e:   # an unwritable out_dir, a full disk: the system's own one-line reason
-        die(e)
+        die(why(e) if e.errno == errno.ENOSPC else e)
+    except KeyboardInterrupt:   # Ctrl-C in eval, sample or plot, or before training started
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130)
 
 
 if __name__ == '__main__':

@@ -60,13 +60,20 @@ BUNDLED = os.path.join(HERE, 'shakespeare', 'input.txt')
 def atomic_write(path):
     """A binary file to write that appears at `path` only once complete: it is written beside it,
     flushed to disk, then renamed over it. A crash leaves the old file or none, never half a file.
+    The temporary file is this process's own (two processes never write the same one) and any
+    failure (a full disk, Ctrl-C, an error in the caller's block) removes it before passing on.
     Every save of the project goes through here (prepared data, checkpoints, snapshots, logs)."""
-    tmp = f'{path}.tmp'
-    with open(tmp, 'wb') as f:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = f'{path}.{os.getpid()}.tmp'
+    try:
+        with open(tmp, 'wb') as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,21 +262,34 @@ def check_lengths(components, splits, block_size):
                     f"too few for block_size={block_size}")
 
 def encode(start, vocab, block_size):
-    """The prompt's token ids; FILE:path reads it from a file."""
+    """The prompt's token ids. The model reads bytes, so a prompt is bytes: FILE:path is read as
+    bytes (any, UTF-8 or not), and a command-line prompt is the bytes it was typed as (Python
+    hands on bytes that are not UTF-8 as surrogate escapes, which turn back into them here)."""
     if start.startswith('FILE:'):
         try:
-            with open(start[5:], encoding='utf-8') as f:
-                start = f.read()
-        except (OSError, UnicodeDecodeError) as e:
+            with open(start[5:], 'rb') as f:
+                data = f.read()
+        except OSError as e:
             die(f"cannot read the prompt from {start[5:]}: {e}")
     elif start == '':
-        start = '\n' if ord('\n') in vocab else ' '
+        default = [b for b in b'\n ' if b in vocab]
+        if not default:
+            die("the dataset has neither a newline nor a space, one of which an empty --start stands for: "
+                "give a prompt with --start")
+        data = bytes(default[:1])
+    else:
+        try:
+            data = start.encode('utf-8', errors='surrogateescape')
+        except UnicodeEncodeError as e:
+            die(f"the prompt cannot be written as bytes: {e.reason} at character {e.start} ({start[e.start]!r})")
     index = {b: i for i, b in enumerate(vocab)}
-    outside = sorted({ch for ch in start if any(b not in index for b in ch.encode())})
-    if outside:
+    if set(data) - set(index):
+        text = data.decode('utf-8', errors='surrogateescape')   # whole characters, for the message
+        outside = sorted({ch for ch in text if set(ch.encode('utf-8', errors='surrogateescape')) - set(index)})
         die(f"the prompt has characters outside the model's {len(vocab)}-symbol vocabulary: "
-            + ' '.join(repr(ch) for ch in outside))
-    ids = [index[b] for b in start.encode()]
+            + ' '.join(repr(ch.encode('utf-8', errors='surrogateescape') if '\udc80' <= ch <= '\udcff' else ch)
+                       for ch in outside))
+    ids = [index[b] for b in data]
     if not ids:
         die("the prompt is empty")
     if len(ids) > block_size:

@@ -115,7 +115,7 @@ def server(tmp_path):
 def test_config_types_files_and_order(tmp_path):
     config_file = tmp_path / 'c.py'
     config_file.write_text('"""a config file"""\nbatch_size = 3\nlearning_rate = 1\ndataset = "text8"\n')
-    cfg, given = tc.parse_config([str(config_file), '--batch_size=5', '--compile=True', '--beta2=1',
+    cfg, given = tc.parse_config([str(config_file), '--batch_size=5', '--compile=True', '--beta2=0',
                                   '--start=123', '--n_layer=3'])
     assert (cfg['batch_size'], cfg['learning_rate'], cfg['dataset']) == (5, 1.0, 'text8')
     assert type(cfg['learning_rate']) is float and type(cfg['beta2']) is float   # int accepted for float

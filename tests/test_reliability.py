@@ -1,0 +1,300 @@
+"""
+Tests of what survives faults and bad input (issue 14), through the command line with real
+signals: SIGKILL mid-run and resume, a torn last log line, a second run in a busy out_dir, a full
+disk during a save (a small tmpfs, mounted here when the tests run as root), Ctrl-C (SIGINT), and
+settings that reach a library underneath (one line, never a traceback).
+
+    python -m pytest -q tests/test_reliability.py
+
+The models are train_char.py's tiny test model (one layer, 32 wide); the runs that are not the
+point of a test run in-process (tc.main), the ones that are run as subprocesses.
+"""
+import glob
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import damcha_numpy
+import train_char as tc
+from data.prepare import atomic_write
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=4', '--gen_width=16',
+        '--eval_iters=2', '--log_interval=5', '--max_new_tokens=5', '--device=cpu', '--compile=False',
+        '--warmup_iters=2']
+ENV = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'} | {'PYTHONUNBUFFERED': '1'}
+
+
+def cli(*args, script='train_char.py', timeout=120):
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, timeout=timeout,
+                          env=ENV, text=not any(isinstance(a, bytes) for a in args))
+
+
+def start(*args):
+    """train_char.py in the background; its stdout (log lines) to read, stderr to a file."""
+    err = open(os.devnull, 'w')
+    return subprocess.Popen([sys.executable, 'train_char.py', *args], cwd=ROOT, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=err)
+
+
+def wait_for(proc, prefix):
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"the run ended before printing {prefix!r}: exit status {proc.wait()}")
+
+
+def one_line_error(result, words):
+    """A failed run whose stderr ends in one 'error: ' line holding words, with no traceback."""
+    last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ''
+    assert result.returncode == 1 and last.startswith('error: ') and words in last, result.stderr[-2000:]
+    assert 'Traceback' not in result.stderr, result.stderr[-2000:]
+    return last
+
+
+def fails(*argv, main=tc.main):
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    assert isinstance(e.value.code, str) and '\n' not in e.value.code, e.value.code
+    return e.value.code
+
+
+def iters(path):
+    return [e['iter'] for e in tc.read_jsonl(path)]
+
+
+def digest(path):
+    with open(path, 'rb') as f:
+        return hashlib.md5(f.read()).hexdigest()
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp('data')
+
+
+# ---------------------------------------------------------------------------------------------
+# History: a kill and a resume neither repeat nor lose a line
+
+def test_sigkill_then_resume_gives_the_uninterrupted_history(tmp_path, data_dir):
+    """Killed 5 iterations past its checkpoint at 20, with train_log.jsonl and log.jsonl already
+    past it, the resumed run ends with the very logs of a run never killed: one line per iteration
+    and per evaluation, the same losses bit for bit."""
+    common = [*TINY, f'--data_dir={data_dir}', '--eval_interval=20', '--max_iters=40']
+    tc.main([*common, f'--out_dir={tmp_path / "whole"}'])
+    out = tmp_path / 'killed'
+    proc = start(*common, f'--out_dir={out}')
+    wait_for(proc, 'iter 25:')
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
+    assert saved == 20 and max(iters(out / 'train_log.jsonl')) >= saved   # history past the checkpoint
+    result = cli(f'--out_dir={out}', '--init_from=resume')
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert iters(out / 'train_log.jsonl') == list(range(40))
+    assert tc.read_jsonl(out / 'train_log.jsonl') == tc.read_jsonl(tmp_path / 'whole' / 'train_log.jsonl')
+    assert iters(out / 'log.jsonl') == [0, 20, 40]
+    assert [e['val_loss'] for e in tc.read_jsonl(out / 'log.jsonl')] == \
+           [e['val_loss'] for e in tc.read_jsonl(tmp_path / 'whole' / 'log.jsonl')]
+
+
+def test_torn_last_line_is_dropped_and_said_a_bad_middle_line_is_an_error(tmp_path, data_dir, capsys):
+    out = tmp_path / 'out'
+    tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--eval_interval=4', '--max_iters=8'])
+    with open(out / 'train_log.jsonl', 'a') as f:   # what a full disk or a kill mid-append leaves
+        f.write('{"iter": 8, "loss": 2.4')
+    with open(out / 'log.jsonl', 'a') as f:
+        f.write('{"iter": 12, "tok')
+    result = cli(f'--out_dir={out}', '--init_from=resume', '--max_iters=12')
+    assert result.returncode == 0, result.stderr[-2000:]
+    notes = [line for line in result.stderr.splitlines() if line.startswith('note: dropped the unreadable last line')]
+    assert len(notes) == 2 and 'line 9 of' in notes[0] + notes[1], result.stderr[-2000:]
+    assert iters(out / 'train_log.jsonl') == list(range(12)) and iters(out / 'log.jsonl') == [0, 4, 8, 12]
+
+    lines = (out / 'train_log.jsonl').read_text().splitlines()
+    lines[2] = lines[2][:20]
+    (out / 'train_log.jsonl').write_text('\n'.join(lines) + '\n')
+    before = (out / 'train_log.jsonl').read_text()
+    message = fails(f'--out_dir={out}', '--init_from=resume', '--max_iters=16')
+    assert 'train_log.jsonl, line 3 of 12, is unreadable' in message, message
+    assert (out / 'train_log.jsonl').read_text() == before   # the history is never dropped
+
+
+# ---------------------------------------------------------------------------------------------
+# A second run, temporary files
+
+def test_a_second_run_is_refused_and_the_lock_dies_with_the_first(tmp_path, data_dir):
+    out = tmp_path / 'out'
+    first = start(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--eval_interval=5', '--max_iters=100000')
+    try:
+        wait_for(first, 'iter 10:')   # holds the lock, and a checkpoint at 5 exists
+        first.send_signal(signal.SIGSTOP)   # stopped, it still holds the lock, and leaves the CPU to the second
+        second = cli(f'--out_dir={out}', '--init_from=resume', '--max_iters=100001')
+        last = one_line_error(second, f'{out} is in use by another training run (pid {first.pid}, started ')
+        assert 'command: python train_char.py' in last and f'--out_dir={out}' in last
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    (out / 'ckpt.pt.99999.tmp').write_bytes(b'half a checkpoint')   # as a kill mid-save leaves it
+    saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
+    tc.main([f'--out_dir={out}', '--init_from=resume', f'--max_iters={saved + 1}'])   # the kernel freed the lock
+    assert not glob.glob(str(out / '*.tmp'))
+
+
+def test_temporary_files_are_per_process_and_removed_on_failure(tmp_path):
+    path = tmp_path / 'ckpt.pt'
+    path.write_bytes(b'the last good one')
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_write(path) as f:
+            f.write(b'half of a new one')
+            assert os.path.exists(f'{path}.{os.getpid()}.tmp')
+            raise KeyboardInterrupt
+    assert path.read_bytes() == b'the last good one' and os.listdir(tmp_path) == ['ckpt.pt']
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk, Ctrl-C
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a real file system that runs full (mounting needs root)."""
+    disk = tmp_path / 'disk'
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip('mounting a tmpfs needs root')
+    yield disk
+    subprocess.run(['umount', str(disk)], check=True)
+
+
+def fill(disk, leave):
+    """Fill the file system but `leave` bytes."""
+    try:
+        with open(disk / 'filler', 'wb') as f:
+            while True:
+                f.write(b'\0' * 4096)
+                f.flush()
+    except OSError:   # no space left: on a write, or on the flush at close
+        pass
+    os.truncate(disk / 'filler', max(0, os.path.getsize(disk / 'filler') - leave))
+
+
+def test_full_disk_during_a_save_says_so_and_keeps_the_checkpoint(small_disk, data_dir):
+    out = small_disk / 'out'
+    tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--eval_interval=4', '--max_iters=4'])
+    before = digest(out / 'ckpt.pt')
+    assert os.path.getsize(out / 'ckpt.pt') > 3 * 32768
+    fill(small_disk, 32768)   # room for the log lines, not for a checkpoint
+    result = cli(f'--out_dir={out}', '--init_from=resume', '--max_iters=8')
+    one_line_error(result, f'could not save {out}/ckpt.pt: the disk is full (No space left on device); '
+                           f'the partial file was removed; {out}/ckpt.pt (iter 4) is the last good checkpoint')
+    assert digest(out / 'ckpt.pt') == before and not glob.glob(str(out / '*.tmp'))
+    os.remove(small_disk / 'filler')
+    tc.main([f'--out_dir={out}', '--init_from=resume', '--max_iters=8'])   # room again: it carries on
+    assert iters(out / 'train_log.jsonl') == list(range(8)) and iters(out / 'log.jsonl') == [0, 4, 8]
+
+
+def test_ctrl_c_says_where_training_stopped_and_where_a_resume_starts(tmp_path, data_dir):
+    out = tmp_path / 'out'
+    proc = subprocess.Popen([sys.executable, 'train_char.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out}',
+                             '--eval_interval=5', '--max_iters=100000'], cwd=ROOT, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(proc, 'iter 10:')
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    last = stderr.strip().splitlines()[-1]
+    assert proc.returncode == 130 and 'Traceback' not in stderr, stderr[-2000:]
+    match = re.fullmatch(rf'interrupted at iter (\d+): a resume \(--init_from=resume\) starts from '
+                         rf'{re.escape(str(out))}/ckpt.pt at iter (\d+)', last)
+    assert match, last
+    stopped, resume_from = map(int, match.groups())
+    assert resume_from == torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] and 5 <= resume_from <= stopped
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings that pass the type check but not the library underneath: one line
+
+def test_settings_are_checked_where_they_are_parsed(tmp_path):
+    one_line_error(cli('--beta1=2', f'--out_dir={tmp_path / "never"}'), 'beta1=2.0 must be at least 0 and below 1')
+    one_line_error(cli('--mode=plot', f'--out_dir={tmp_path}', '--plot_file=bpc.xyz'),
+                   "plot_file='bpc.xyz': end it in a format matplotlib writes: ")
+    assert 'beta2=1.0 must be at least 0 and below 1' in fails('--beta2=1')
+    assert 'beta1=-0.5' in fails('--beta1=-0.5')
+    assert 'seed=-1 must be a whole number from 0 to 2**32 - 1' in fails('--seed=-1')
+    assert 'seed=4294967296' in fails(f'--seed={2**32}')
+    assert "out_dir=',' names no folder" in fails('--mode=plot', '--out_dir=,')
+    assert "out_dir='' names no folder" in fails('--out_dir=')
+    assert 'learning_rate must be a finite number, not inf' in fails('--learning_rate=1e999')
+    assert "end it in a format" in fails('--mode=plot', f'--out_dir={tmp_path}', '--plot_file=bpc')
+    assert not os.path.exists(tmp_path / 'never')
+
+
+@pytest.fixture(scope='module')
+def byte_model(tmp_path_factory, data_dir):
+    """A model of a corpus that is not UTF-8 (bytes 0xfe and 0xff) and has no newline or space."""
+    folder = tmp_path_factory.mktemp('bytes')
+    corpus = folder / 'raw.bin'
+    corpus.write_bytes(b'ab\xffcd\xfe' * 400)
+    tc.main([*TINY, f'--dataset={corpus}', f'--data_dir={data_dir}', f'--out_dir={folder / "out"}',
+             '--max_iters=1', '--start=a'])
+    return folder
+
+
+def test_prompts_are_bytes(byte_model, data_dir):
+    out = f'--out_dir={byte_model / "out"}'
+    prompt = byte_model / 'prompt'
+    prompt.write_bytes(b'a\xff')   # a FILE: prompt is read as bytes, UTF-8 or not
+    result = cli('--mode=sample', out, f'--start=FILE:{prompt}')
+    assert result.returncode == 0 and result.stdout.startswith('a\ufffd'), result.stderr[-2000:]
+    result = cli('--mode=sample', out, b'--start=c\xfe')   # typed bytes that are not UTF-8 too
+    assert result.returncode == 0 and result.stdout.startswith(b'c\xef\xbf\xbd'), result.stderr[-2000:]
+    config = byte_model / 'surrogate.py'
+    config.write_text('start = "\\ud800"\n')   # a str that has no bytes
+    assert 'the prompt cannot be written as bytes' in fails('--mode=sample', out, config)
+    assert "outside the model's 6-symbol vocabulary: b'\\x80'" in fails('--mode=sample', out, '--start=a\udc80')
+    # with no prompt given, an empty --start stands for a newline or a space, which this corpus lacks
+    one_line_error(cli(*TINY, f'--dataset={byte_model / "raw.bin"}', f'--data_dir={data_dir}',
+                       f'--out_dir={byte_model / "never"}'), 'the dataset has neither a newline nor a space')
+    assert not os.path.exists(byte_model / 'never')   # out_dir is made (and locked) once the input is checked
+
+
+# ---------------------------------------------------------------------------------------------
+# damcha_numpy.py
+
+def test_damcha_numpy_checks_before_training_and_stops_on_a_non_finite_loss(tmp_path):
+    tiny = ['--n_layer=1', '--block_size=8', '--iters=20', '--eval_every=10', '--warmup=1']
+    result = cli('--start=', *tiny, script='damcha_numpy.py')
+    assert result.returncode == 1 and 'iter' not in result.stdout, result.stdout   # before any training
+    assert result.stderr.strip() == '--start is empty: the sample after training needs at least one character to follow'
+    result = cli('--lr=1e30', *tiny, script='damcha_numpy.py')
+    assert result.returncode == 1 and result.stderr.strip() == \
+        'the training loss became nan at iter 1; stopped; try a lower --lr', result.stderr[-2000:]
+    main = damcha_numpy.main
+    for lr in ('nan', '-1', '0', 'inf'):
+        assert fails(f'--lr={lr}', main=main).startswith('--lr must be a positive number')
+    assert 'seed must be a whole number' in fails('--seed=-1', main=main)
+    empty = tmp_path / 'empty.txt'
+    empty.write_bytes(b'')
+    assert fails(f'--data={empty}', main=main) == f'--data={empty}: the file is empty'
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages about checkpoints
+
+def test_damaged_checkpoints_get_one_line_that_recommends_nothing_unsafe(tmp_path):
+    (tmp_path / 'empty').mkdir()
+    (tmp_path / 'empty' / 'ckpt.pt').write_bytes(b'')
+    (tmp_path / 'random').mkdir()
+    (tmp_path / 'random' / 'ckpt.pt').write_bytes(bytes(range(256)) * 8)
+    one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "empty"}'),
+                   'ckpt.pt is empty (0 bytes), not a checkpoint')
+    last = one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "random"}'), 'is not a readable checkpoint')
+    assert 'weights_only' not in last and 'UnpicklingError' in last, last
+    assert 'weights_only' not in json.dumps(fails('--init_from=resume', f'--out_dir={tmp_path / "random"}'))
