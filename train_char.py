@@ -27,24 +27,21 @@ Ctrl-C stops a run (exit status 130) and says which checkpoint a resume will sta
 """
 import dataclasses
 import errno
-import fcntl
 import importlib.util
 import json
 import math
 import os
-import re
-import shlex
 import sys
 import textwrap
 import time
 from contextlib import nullcontext
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from checkpoint import HELD, append_jsonl, load_checkpoint, lock_out_dir, read_jsonl, why
 from configurator import configure, die
 from damcha_torch import GPT, GPTConfig, get_lr
 from data.prepare import (atomic_write, check_lengths, decode, draw_rows, encode, get_batch, load_dataset,
@@ -104,7 +101,6 @@ POSITIVE = ('batch_size', 'gradient_accumulation_steps', 'eval_interval', 'eval_
 NON_NEGATIVE = ('max_iters', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'weight_decay', 'grad_clip',
                 'stride', 'max_new_tokens', 'top_k', 'vocab_size')
 LN2 = math.log(2)
-HELD = []   # this process's lock on its training run's out_dir (lock_out_dir), while train() runs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,38 +164,7 @@ def autocast_for(device, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints and logs
-
-def load_checkpoint(out_dir):
-    path = os.path.join(out_dir, 'ckpt.pt')
-    if not os.path.isfile(path):
-        die(f"no checkpoint at {path}")
-    if os.path.getsize(path) == 0:
-        die(f"{path} is empty (0 bytes), not a checkpoint")
-    try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:   # torch.load raises many kinds for a damaged file; all mean the same
-        die(f"{path} is not a readable checkpoint: damaged, or not written by train_char.py "
-            f"({type(e).__name__}: {load_error(e)})")
-    needed = ('model', 'optimizer', 'scaler', 'model_args', 'config', 'vocab', 'iter_num', 'best_val_loss',
-              'tokens', 'elapsed', 'rng')
-    missing = [k for k in needed if k not in ckpt] if isinstance(ckpt, dict) else ['everything']
-    if missing or not all(isinstance(ckpt[k], dict) for k in ('model', 'model_args', 'config')):
-        die(f"{path} is not a checkpoint of train_char.py (it lacks {', '.join(missing) or 'the right types'})")
-    return ckpt
-
-
-def load_error(e):
-    """torch.load's reason, without its advice to retry with weights_only=False: that runs any code
-    a file holds, which is no remedy for a damaged or untrusted checkpoint."""
-    text = str(e)
-    if 'WeightsUnpickler error:' in text:
-        text = text.split('WeightsUnpickler error:')[1].split('Check the documentation')[0]
-    else:
-        text = text.split('. ')[0]
-    text = ' '.join(text.split())[:200]
-    return text if 'weights_only' not in text else 'not a file of tensors and plain values'
-
+# Checkpoints (reading them, the logs and the lock: checkpoint.py)
 
 def parse_iters(text, max_iters):
     """'0,1000,5000' -> {0, 1000, 5000}; anything else, or an iteration the run never reaches, is a
@@ -251,73 +216,6 @@ def restore(ckpt, optimizer, scaler, batches, rank, device):
         die(f"the checkpoint's optimizer or RNG state does not fit this run ({type(e).__name__}: {str(e)[:300]})")
     for group, setting in zip(optimizer.param_groups, settings):
         group.update(setting)
-
-
-def append_jsonl(path, entries):
-    with open(path, 'a') as f:
-        f.writelines(json.dumps(e) + '\n' for e in entries)
-
-
-def read_jsonl(path):
-    """The entries of a log, one JSON object a line. A last line that does not parse is what a kill
-    or a full disk in the middle of an append leaves: it is dropped, and said on stderr. A bad line
-    before the last is damage done by something else: a one-line error naming it."""
-    try:
-        with open(path, 'rb') as f:
-            lines = [(n, line) for n, line in enumerate(f.read().split(b'\n'), 1) if line.strip()]
-    except OSError as e:
-        die(f"cannot read {path}: {e}")
-    entries = []
-    for n, line in lines:
-        try:
-            entry = json.loads(line)
-            if not isinstance(entry, dict):
-                raise ValueError(f"a JSON {type(entry).__name__}, not an object")
-        except ValueError as e:   # UnicodeDecodeError is one too
-            if n == lines[-1][0]:
-                print(f"note: dropped the unreadable last line {n} of {path}, an interrupted write: "
-                      f"{line[:60].decode(errors='replace')!r}", file=sys.stderr)
-                break
-            die(f"{path}, line {n} of {len(lines)}, is unreadable ({e}): only a last line is dropped "
-                "(an interrupted write); repair or delete this one")
-        entries.append(entry)
-    return entries
-
-
-def lock_out_dir(out_dir):
-    """Hold out_dir for this training run: an exclusive flock on out_dir/train.lock, which the
-    kernel releases when the process ends in any way, SIGKILL included, so it never goes stale. The
-    file names the holder, for the message to a second run. The open file stays in HELD until
-    train() ends."""
-    os.makedirs(out_dir, exist_ok=True)
-    f = open(os.path.join(out_dir, 'train.lock'), 'a+')
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or 'a run that is just starting'
-        f.close()
-        die(f"{out_dir} is in use by another training run ({holder}); wait for it to end, "
-            "or choose another --out_dir")
-    f.truncate(0)
-    f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}, "
-            f"command: {shlex.join([os.path.basename(sys.executable), *sys.argv])}\n")
-    f.flush()
-    HELD.append(f)
-    for name in os.listdir(out_dir):   # left by a run killed mid-save (atomic_write): nobody writes them now
-        if re.fullmatch(r'.+\.\d+\.tmp', name):
-            os.remove(os.path.join(out_dir, name))
-
-
-def why(e):
-    """An exception as a reason: 'the disk is full' when it, or the error it came from, says so
-    (torch.save reports a full disk as a RuntimeError raised while handling the OSError)."""
-    cause = e
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-            return f"the disk is full ({cause.strerror})"
-        cause = cause.__cause__ or cause.__context__
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
 def save(run, name, obj):
