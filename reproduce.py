@@ -223,6 +223,8 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
                 f.write((json.dumps(result, indent=2) + '\n').encode())
             return result
     result = evaluate_checkpoint(run, out_dir, opts['device'])
+    if os.path.isabs(result['dataset']):   # a file made for the study: where it is in the checkout, not on this machine
+        result['dataset'] = os.path.relpath(result['dataset'], HERE)
     for b in blocks:
         result[f'val_bpc_{b}'] = evaluate_checkpoint(run, out_dir, opts['device'], f'--blocks={b}')['val_bpc']
     result |= extra or {}
