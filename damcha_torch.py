@@ -483,7 +483,7 @@ def equal_params_width(target, fields, field="gen_width"):
     while count(hi) < target:
         lo, hi = hi, 2 * hi
         if hi > 2**20:
-            raise ValueError(f"no {field} reaches {target:,} parameters")
+            raise ValueError(f"no {'generator width' if field == 'gen_width' else 'MLP width'} reaches {target:,} parameters")
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if count(mid) < target else (lo, mid)

@@ -21,9 +21,9 @@ VARIANTS = ('mha', 'damcha', 'damcha_static')
 
 def sweep(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
-    # batch 64: the whole-split evaluation runs in batches of batch_size, and it is most of the time
+    # batch 1024: the whole-split evaluations run in batches of batch_size and are most of the time
     args = ['--seeds=1', '--max_iters=6', '--eval_interval=3', '--eval_iters=2', '--n_layer=1', '--n_embd=32',
-            '--n_head=2', '--block_size=16', '--batch_size=64', '--max_new_tokens=5', '--device=cpu',
+            '--n_head=2', '--block_size=16', '--batch_size=1024', '--max_new_tokens=5', '--device=cpu',
             f"--variants={','.join(VARIANTS)}", f"--results={tmp_path / 'results'}",
             f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}"]
     t0 = time.time()
@@ -75,7 +75,7 @@ def test_study_2x2_lr_sweep_then_regime_i(tmp_path):
     commit, evaluates the Table 3 model with blocks=diag and offdiag, and writes the paired intervals."""
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     args = ['--study=2x2', '--seeds=1', '--max_iters=4', '--eval_interval=2', '--eval_iters=1', '--n_layer=1',
-            '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=64', '--max_new_tokens=2', '--device=cpu',
+            '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=1024', '--max_new_tokens=2', '--device=cpu',
             '--variants=mha,damcha_full', f"--results={tmp_path / 'results'}", f"--out_root={tmp_path / 'out'}",
             f"--data_dir={tmp_path / 'data'}"]
     run = lambda *more: subprocess.run([sys.executable, 'reproduce.py', *args, *more], cwd=ROOT, capture_output=True,
