@@ -1,4 +1,6 @@
 """Helpers shared by the tests."""
+import hashlib
+
 import numpy as np
 import torch
 
@@ -10,3 +12,9 @@ def rel_err(a, b):
     if a.device != b.device:
         a, b = a.cpu(), b.cpu()
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def digest(path):
+    """The MD5 of a file's bytes: equal digests mean a file was left exactly as it was."""
+    with open(path, 'rb') as f:
+        return hashlib.md5(f.read()).hexdigest()

@@ -10,7 +10,6 @@ The models are train_char.py's tiny test model (one layer, 32 wide); the runs th
 point of a test run in-process (tc.main), the ones that are run as subprocesses.
 """
 import glob
-import hashlib
 import json
 import os
 import re
@@ -24,6 +23,7 @@ import torch
 import damcha_numpy
 import train_char as tc
 from data.prepare import atomic_write
+from common import digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=4', '--gen_width=16',
@@ -68,16 +68,6 @@ def fails(*argv, main=tc.main):
 
 def iters(path):
     return [e['iter'] for e in tc.read_jsonl(path)]
-
-
-def digest(path):
-    with open(path, 'rb') as f:
-        return hashlib.md5(f.read()).hexdigest()
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp('data')
 
 
 # ---------------------------------------------------------------------------------------------

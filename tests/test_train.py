@@ -24,6 +24,7 @@ import torch
 
 import data.prepare as prep
 import train_char as tc
+from common import digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=4', '--gen_width=16',
@@ -49,16 +50,6 @@ def cli(*args, timeout=120):
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     return subprocess.run([sys.executable, 'train_char.py', *map(str, args)], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env=env)
-
-
-def digest(path):
-    with open(path, 'rb') as f:
-        return hashlib.md5(f.read()).hexdigest()
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp('data')
 
 
 @pytest.fixture(scope='module')
