@@ -224,12 +224,12 @@ def test_bench_triton_gpu_smoke():
     assert agreement["max_rel_err"] < GRAD_TOL
 
 
-@pytest.mark.parametrize("adaptive", [True, False], ids=["per_token", "static"])
-def test_gpt_kernel_triton_matches_torch(adaptive):
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "unshared"])
+def test_gpt_kernel_triton_matches_torch(share):
     """The whole GPT, kernel="triton" against kernel="torch" with the same weights, float32:
     logits, loss and every parameter's gradient."""
     config = GPTConfig(kernel="triton", vocab_size=11, block_size=20, n_layer=2, n_head=2, n_embd=32,
-                       gen_width=16, adaptive=adaptive)
+                       gen_width=16, share=share)
     torch.manual_seed(0)
     models = {kernel: GPT(dataclasses.replace(config, kernel=kernel)).to(DEVICE) for kernel in ("torch", "triton")}
     models["triton"].load_state_dict(models["torch"].state_dict())
@@ -243,6 +243,19 @@ def test_gpt_kernel_triton_matches_torch(adaptive):
     assert rel_err(logits, logits_t) < FWD_TOL and rel_err(loss, loss_t) < FWD_TOL
     for name, grad in grads_t.items():
         assert rel_err(grads[name], grad) < GRAD_TOL, name
+
+
+def test_kernel_triton_runs_the_kernel_for_per_token_metrics_only(monkeypatch):
+    """A static metric's q = x m is one small matmul, and SDPA's flash attention then beats the
+    fused kernel (bench_triton_gpu.py's op rows), so GPT(kernel="triton") keeps the torch path for it."""
+    metric_dims = []
+    monkeypatch.setattr(damcha_triton, "damcha_attention",
+                        lambda x, m, v: metric_dims.append(m.dim()) or damcha_attention(x, m, v))
+    for adaptive in (True, False):
+        model = GPT(GPTConfig(kernel="triton", vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16,
+                              gen_width=8, adaptive=adaptive)).to(DEVICE)
+        model(torch.randint(11, (1, 8), device=DEVICE))
+    assert metric_dims == [5]
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(share=False), dict(adaptive=False), dict(gen_out="folded")],
@@ -297,8 +310,9 @@ def test_long_sequence_cuda(static):
 
 @requires_cuda
 def test_forward_memory_cuda():
-    """The forward allocates its output and the row logsumexp only: neither q (B, H, T, dh) nor
-    the scores (B, H, T, T) reach global memory."""
+    """The forward allocates its output, the queries q it keeps for the backward (both
+    (B, H, T, dh)) and the row logsumexp only: the scores (B, H, T, T) never reach global memory.
+    (On an H200 this measured exactly those three: 4,259,840 bytes.)"""
     B, H, T, dh = 1, 4, 4096, 64
     x, m, v, _ = make_inputs(B, H, T, dh, static=False, dtype=torch.bfloat16)
     damcha_attention(x, m, v)                                  # compile outside the measurement
@@ -308,7 +322,7 @@ def test_forward_memory_cuda():
     with torch.no_grad():
         o = damcha_attention(x, m, v)
     extra = torch.cuda.max_memory_allocated() - before
-    assert extra <= o.numel() * o.element_size() + B * H * T * 4 + 2**20
+    assert extra <= 2 * o.numel() * o.element_size() + B * H * T * 4 + 2**20
 
 
 @requires_cuda
