@@ -8,20 +8,25 @@ appended; a torn last line is dropped and said), and the lock that keeps a secon
     out_dir/train_log.jsonl  one line per iteration: the losses
     out_dir/train.lock       flock'ed for the run's lifetime; names the run that holds it
 
-A shared helper: train_char.py imports it, and so can anything that reads a run.
+It also rebuilds what a run needs from its settings: the model (from a checkpoint, with the settings
+given now over the saved ones), the device and the precision. A shared helper: train_char.py and
+eval_char.py import it, and so can anything that reads a run.
 """
 import errno
 import fcntl
+import importlib.util
 import json
 import os
 import re
 import shlex
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
 from configurator import die
+from damcha_torch import GPT, GPTConfig
 
 HELD = []   # this process's lock on its training run's out_dir (lock_out_dir), while the run lasts
 
@@ -122,3 +127,65 @@ def why(e):
             return f"the disk is full ({cause.strerror})"
         cause = cause.__cause__ or cause.__context__
     return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# A run's model, device and precision
+
+def from_checkpoint(ckpt, cfg, given, keep=('mode', 'init_from', 'out_dir')):
+    """The run's saved settings, overridden by those given now (and by keep, which are never
+    taken from a checkpoint); model fields too, as long as the weights still fit (say
+    --blocks=diag to ablate a trained model). Returns (settings, model_args)."""
+    merged = cfg | {k: v for k, v in ckpt['config'].items() if k in cfg and k not in given and k not in keep}
+    model_args = {k: merged[k] if k in given else v for k, v in ckpt['model_args'].items()}
+    return merged | model_args, model_args
+
+
+def model_config(model_args):
+    try:
+        return GPTConfig(**model_args)
+    except (ValueError, TypeError) as e:
+        die(f"invalid model: {e}")
+
+
+def pick_device(name, local_rank):
+    if name == 'auto':
+        name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    kind = name.split(':')[0]
+    if kind not in ('cpu', 'cuda', 'mps'):
+        die(f"device must be auto, cpu, cuda, cuda:N or mps, not {name!r}")
+    if not {'cpu': True, 'cuda': torch.cuda.is_available(), 'mps': torch.backends.mps.is_available()}[kind]:
+        die(f"device={name}, but this machine has no {kind.upper()} device")
+    return f'cuda:{local_rank}' if name == 'cuda' else name
+
+
+def check_kernel(kernel, device):
+    # the fused kernel runs on CUDA, or on the CPU in Triton's interpreter (as the tests run it)
+    if kernel != 'triton':
+        return
+    if importlib.util.find_spec('triton') is None:
+        die("kernel=triton needs the triton package (pip install triton); use --kernel=torch")
+    if not device.startswith('cuda') and os.environ.get('TRITON_INTERPRET') != '1':
+        die(f"kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 on a CPU), not {device}; use --kernel=torch")
+
+
+def autocast_for(device, dtype):
+    """(dtype name, autocast context). Half precision runs under autocast, weights stay float32."""
+    kind = device.split(':')[0]
+    if dtype == 'auto':
+        dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if kind == 'cuda' else 'float32'
+    if dtype == 'float16' and kind != 'cuda':
+        die("dtype=float16 needs a CUDA device (its GradScaler is CUDA-only); use bfloat16 or float32")
+    if dtype == 'float32':
+        return dtype, nullcontext()
+    return dtype, torch.autocast(device_type=kind, dtype=getattr(torch, dtype))
+
+
+def build_model(model_args, ckpt=None):
+    model = GPT(model_config(model_args))
+    if ckpt is not None:
+        try:
+            model.load_state_dict(ckpt['model'])
+        except (RuntimeError, KeyError, TypeError) as e:
+            die(f"the checkpoint's weights do not fit the model ({str(e)[:300]})")
+    return model

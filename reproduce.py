@@ -7,7 +7,7 @@ DAMCHA's ablations at equal parameter count, several seeds each, scored on the f
     python reproduce.py --dataset=text8 --device=cuda      # enwik8, text8, mix: for a GPU
     python reproduce.py --n_layer=2 --batch_size=8         # any other --key=value goes to train_char.py
 
-Variants (every run is `python train_char.py ...` in a subprocess, then `--mode=eval` on its ckpt;
+Variants (every run is `python train_char.py ...` in a subprocess, then `eval_char.py` on its ckpt;
 the settings come from `train_char.py ... --mode=config`, so this script never imports the trainer):
     mha              attn=mha, the baseline whose parameter count the others match
     dcmha            attn=dcmha (Xiao et al. 2024); no width to trade, so its count is what it is
@@ -28,7 +28,7 @@ On enwik8, text8 and mix: config/<dataset>.py followed by config/mha.py (mha, dc
 config/damcha.py (the DAMCHA variants): 12 x 512, T = 512, 50k iterations.
 
 Output, under --results (default results/charlevel/<dataset>/): <variant>-seed<k>.log.jsonl (the
-run's eval curve) and <variant>-seed<k>.eval.json (train_char --mode=eval: bpc of the whole val
+run's eval curve) and <variant>-seed<k>.eval.json (eval_char.py: bpc of the whole val
 split, and of the test split where the dataset has one), summary.json and summary.md; and for the
 run named by --snapshot (default damcha-seed1) its weights in float16 at 0, 2.5, 10, 30 and 100% of
 training, in snapshots/<run>/snapshot-<iter>.pt (train_char --snapshot_iters). Checkpoints
@@ -68,6 +68,7 @@ from data.prepare import atomic_write, load_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN_CHAR = os.path.join(HERE, 'train_char.py')
+EVAL_CHAR = os.path.join(HERE, 'eval_char.py')
 VARIANTS = dict(mha=dict(attn='mha'), dcmha=dict(attn='dcmha'), damcha=dict(attn='damcha'),
                 damcha_static=dict(attn='damcha', adaptive=False),
                 damcha_unshared=dict(attn='damcha', share=False))
@@ -192,8 +193,8 @@ def checkpoint_iter(out_dir):
 
 
 def evaluate_checkpoint(run, out_dir, device, *more):
-    """train_char --mode=eval of out_dir (bpc of the whole val split, and test where there is one)."""
-    evaluation = subprocess.run([sys.executable, TRAIN_CHAR, '--mode=eval', f'--out_dir={out_dir}',
+    """eval_char.py on out_dir: bpc of the whole val split, and test where there is one."""
+    evaluation = subprocess.run([sys.executable, EVAL_CHAR, f'--out_dir={out_dir}',
                                  f"--device={device}", *more], stdout=subprocess.PIPE, text=True)
     if evaluation.returncode:
         die(f"evaluating {run} failed (its output is above)")
@@ -268,7 +269,7 @@ def write_summary(rows, runs, opts, results):
     with open(os.path.join(results, 'summary.json'), 'w') as f:
         json.dump(dict(dataset=dataset, seeds=opts['seeds'], rows=rows), f, indent=2)
     lines = [f"Character-level comparison on {dataset}: {opts['seeds']} seed(s), mean ± sample std over seeds "
-             f"of the bits per character of the whole split (train_char.py --mode=eval).", '',
+             f"of the bits per character of the whole split (eval_char.py).", '',
              f"Settings: `{' '.join(flags(settings))}`"
              + (f" after config/{dataset}.py and config/mha.py or config/damcha.py"
                 if config_files(dataset, runs['mha']) else '')

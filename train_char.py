@@ -1,5 +1,5 @@
 """
-train_char.py: train, evaluate, sample and plot character-level DAMCHA and MHA GPTs.
+train_char.py: train character-level DAMCHA and MHA GPTs.
 
 In the manner of nanoGPT's train.py: every setting has a default below; config files
 (config/*.py, plain assignments) and then --key=value flags override them in the order given.
@@ -10,10 +10,9 @@ In the manner of nanoGPT's train.py: every setting has a default below; config f
     python train_char.py --init_from=resume --out_dir=out-shakespeare --max_iters=3000
     torchrun --standalone --nproc_per_node=4 train_char.py config/enwik8.py config/damcha.py \
         --batch_size=8 --gradient_accumulation_steps=4      # the same 32 rows per step, on 4 GPUs
-    python train_char.py --mode=eval --out_dir=out-enwik8-damcha      # bpc, whole val and test splits
-    python train_char.py --mode=sample --out_dir=out-shakespeare --start="Ham." --num_samples=3
-    python train_char.py --mode=plot --out_dir=out-enwik8-damcha,out-enwik8-mha   # PNG of val bpc
     python train_char.py config/text8.py config/mha.py --mode=config  # the settings it would run, as JSON
+
+eval_char.py evaluates (bpc of whole splits), samples from and plots the runs it trains.
 
 The datasets (shakespeare, enwik8, text8, their 50-50 mix, or any text file) are described in
 data/prepare.py, which prepares them on their first use; mix draws each training row from enwik8
@@ -21,37 +20,35 @@ or text8 with probability 1/2, and its evaluations report both and their mean.
 out_dir may name other settings in braces: 'out-enwik8-{attn}' is out-enwik8-mha for an MHA run.
 A run writes to out_dir: ckpt.pt, log.jsonl (one line per evaluation: the curves) and
 train_log.jsonl (one line per iteration: the losses that a resumed run reproduces exactly on CPU).
-Resumed, evaluated and sampled runs keep the checkpoint's settings except those you pass.
+A resumed run keeps the checkpoint's settings except those you pass.
 A training run holds out_dir/train.lock while it runs: a second run in the same out_dir is refused.
 Ctrl-C stops a run (exit status 130) and says which checkpoint a resume will start from.
 """
 import dataclasses
 import errno
-import importlib.util
 import json
 import math
 import os
 import sys
 import textwrap
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import HELD, append_jsonl, load_checkpoint, lock_out_dir, read_jsonl, why
+from checkpoint import (HELD, append_jsonl, autocast_for, build_model, check_kernel, from_checkpoint, load_checkpoint,
+                        lock_out_dir, model_config, pick_device, read_jsonl, why)
 from configurator import configure, die
 from damcha_torch import GPT, GPTConfig, get_lr
-from data.prepare import (atomic_write, check_lengths, decode, draw_rows, encode, get_batch, load_dataset,
-                          split_loss)
+from data.prepare import atomic_write, check_lengths, decode, draw_rows, encode, get_batch, load_dataset
 
 # ---------------------------------------------------------------------------------------------
 # Defaults: a small DAMCHA that learns Shakespeare in about two minutes on two idle CPU cores.
 DEFAULTS = dict(
-    mode='train',                 # train | eval | sample | plot | config (print the settings as JSON)
-    out_dir='out-shakespeare',    # ckpt.pt and logs; for plot, several folders joined by commas
+    mode='train',                 # train | config (print the settings as JSON)
+    out_dir='out-shakespeare',    # ckpt.pt and logs
     init_from='scratch',          # scratch | resume (continue out_dir/ckpt.pt)
     dataset='shakespeare',        # shakespeare | enwik8 | text8 | mix | path to a text file
     data_dir='',                  # prepared datasets go in <data_dir>/<name>/; '' is data/ beside this file
@@ -78,28 +75,24 @@ DEFAULTS = dict(
     always_save_checkpoint=True,  # False: save only when the val loss improves
     snapshot_iters='',            # e.g. 0,1000,5000: also keep the weights at these iterations,
                                   # as float16, in out_dir/snapshot-<iter>.pt (notebooks/04 reads them)
-    # eval mode
-    stride=0,                     # window step; 0: block_size (non-overlapping windows)
-    # sample mode, and the sample printed after training
+    # the sample printed after training
     start='',                     # prompt, or FILE:path; '' is a newline (a space for text8)
     num_samples=1,
     max_new_tokens=500,
     temperature=0.8,
     top_k=0,                      # 0: sample from the whole distribution
-    # plot mode
-    plot_file='',                 # '' is bpc.png in the first out_dir
 )
 # every GPTConfig field is a setting; vocab_size 0 means the dataset's vocabulary size
 MODEL_DEFAULTS = dict(vocab_size=0, block_size=64, n_layer=4, n_head=4, n_embd=128,
                       gen_out='folded', gen_depth=2, gen_width=64)
 MODEL_KEYS = [f.name for f in dataclasses.fields(GPTConfig)]
 DEFAULTS.update({f.name: MODEL_DEFAULTS.get(f.name, f.default) for f in dataclasses.fields(GPTConfig)})
-CHOICES = dict(mode=('train', 'eval', 'sample', 'plot', 'config'), init_from=('scratch', 'resume'),
+CHOICES = dict(mode=('train', 'config'), init_from=('scratch', 'resume'),
                dtype=('auto', 'float32', 'bfloat16', 'float16'))
 POSITIVE = ('batch_size', 'gradient_accumulation_steps', 'eval_interval', 'eval_iters', 'log_interval',
             'num_samples', 'temperature', 'learning_rate', 'block_size')
 NON_NEGATIVE = ('max_iters', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'weight_decay', 'grad_clip',
-                'stride', 'max_new_tokens', 'top_k', 'vocab_size')
+                'max_new_tokens', 'top_k', 'vocab_size')
 LN2 = math.log(2)
 
 
@@ -123,48 +116,8 @@ def parse_config(argv):
     return cfg, given
 
 
-def model_config(model_args):
-    try:
-        return GPTConfig(**model_args)
-    except (ValueError, TypeError) as e:
-        die(f"invalid model: {e}")
-
-
-def pick_device(name, local_rank):
-    if name == 'auto':
-        name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
-    kind = name.split(':')[0]
-    if kind not in ('cpu', 'cuda', 'mps'):
-        die(f"device must be auto, cpu, cuda, cuda:N or mps, not {name!r}")
-    if not {'cpu': True, 'cuda': torch.cuda.is_available(), 'mps': torch.backends.mps.is_available()}[kind]:
-        die(f"device={name}, but this machine has no {kind.upper()} device")
-    return f'cuda:{local_rank}' if name == 'cuda' else name
-
-
-def check_kernel(kernel, device):
-    # the fused kernel runs on CUDA, or on the CPU in Triton's interpreter (as the tests run it)
-    if kernel != 'triton':
-        return
-    if importlib.util.find_spec('triton') is None:
-        die("kernel=triton needs the triton package (pip install triton); use --kernel=torch")
-    if not device.startswith('cuda') and os.environ.get('TRITON_INTERPRET') != '1':
-        die(f"kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 on a CPU), not {device}; use --kernel=torch")
-
-
-def autocast_for(device, dtype):
-    """(dtype name, autocast context). Half precision runs under autocast, weights stay float32."""
-    kind = device.split(':')[0]
-    if dtype == 'auto':
-        dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if kind == 'cuda' else 'float32'
-    if dtype == 'float16' and kind != 'cuda':
-        die("dtype=float16 needs a CUDA device (its GradScaler is CUDA-only); use bfloat16 or float32")
-    if dtype == 'float32':
-        return dtype, nullcontext()
-    return dtype, torch.autocast(device_type=kind, dtype=getattr(torch, dtype))
-
-
 # ---------------------------------------------------------------------------------------------
-# Checkpoints (reading them, the logs and the lock: checkpoint.py)
+# Checkpoints (reading them, the logs, the lock and the model: checkpoint.py)
 
 def parse_iters(text, max_iters):
     """'0,1000,5000' -> {0, 1000, 5000}; anything else, or an iteration the run never reaches, is a
@@ -177,25 +130,6 @@ def parse_iters(text, max_iters):
     if outside:
         die(f"snapshot_iters: {outside} outside this run's iterations 0..{max_iters}")
     return iters
-
-
-def from_checkpoint(ckpt, config, given):
-    """The run's saved settings overridden by those given now; model fields too, as long as
-    the weights still fit (say --blocks=diag to ablate a trained model)."""
-    merged = dict(DEFAULTS) | {k: v for k, v in ckpt['config'].items() if k in DEFAULTS}
-    merged |= {k: config[k] for k in given | {'mode', 'init_from', 'out_dir'}}
-    model_args = {k: merged[k] if k in given else v for k, v in ckpt['model_args'].items()}
-    return merged | model_args, model_args
-
-
-def build_model(model_args, ckpt=None):
-    model = GPT(model_config(model_args))
-    if ckpt is not None:
-        try:
-            model.load_state_dict(ckpt['model'])
-        except (RuntimeError, KeyError, TypeError) as e:
-            die(f"the checkpoint's weights do not fit the model ({str(e)[:300]})")
-    return model
 
 
 def restore(ckpt, optimizer, scaler, batches, rank, device):
@@ -603,87 +537,6 @@ def train_run(run):
         dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------
-# Evaluation, sampling, plotting
-
-def load_for_inference(cfg, given):
-    ckpt = load_checkpoint(cfg['out_dir'])
-    cfg, model_args = from_checkpoint(ckpt, cfg, given)
-    device = pick_device(cfg['device'], 0)
-    check_kernel(model_args['kernel'], device)
-    _, ctx = autocast_for(device, cfg['dtype'])
-    model = build_model(model_args, ckpt).to(device)
-    model.eval()
-    return ckpt, cfg, model, device, ctx
-
-
-def evaluate(cfg, given):
-    ckpt, cfg, model, device, ctx = load_for_inference(cfg, given)
-    if cfg['stride'] > cfg['block_size']:
-        die(f"stride={cfg['stride']} is larger than block_size={cfg['block_size']}: tokens would go unscored")
-    if cfg['compile']:
-        model = torch.compile(model)
-    components, _ = load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'])
-    check_lengths(components, ('val', 'test'), cfg['block_size'])
-    result = dict(dataset=cfg['dataset'], iter=ckpt['iter_num'], block_size=cfg['block_size'],
-                  stride=cfg['stride'] or cfg['block_size'])
-    for split in ('val', 'test'):
-        for c in components:
-            if split not in c['splits']:
-                print(f"note: {c['name']} has no {split} split", file=sys.stderr)
-                continue
-            loss, count = split_loss(model, c['splits'][split], c['lut'], cfg, device, ctx, f"{c['name']} {split}")
-            suffix = f"_{c['name']}" if len(components) > 1 else ''
-            result |= {f'{split}_loss{suffix}': loss, f'{split}_bpc{suffix}': loss / LN2,
-                       f'{split}_tokens{suffix}': count}
-        if len(components) > 1 and f"{split}_loss_{components[0]['name']}" in result:
-            loss = sum(result[f"{split}_loss_{c['name']}"] for c in components) / len(components)
-            result |= {f'{split}_loss': loss, f'{split}_bpc': loss / LN2}
-    print(json.dumps(result, indent=2))
-
-
-def sample(cfg, given):
-    ckpt, cfg, model, device, ctx = load_for_inference(cfg, given)
-    ids = encode(cfg['start'], ckpt['vocab'], cfg['block_size'])
-    torch.manual_seed(cfg['seed'])
-    with ctx:
-        out = model.generate(torch.tensor([ids] * cfg['num_samples'], device=device), cfg['max_new_tokens'],
-                             cfg['temperature'], cfg['top_k'] or None)
-    for row in out.tolist():
-        print(decode(row, ckpt['vocab']))
-        print('---------------')
-
-
-def plot(cfg, given):
-    import matplotlib   # here, not at the top: only this mode needs it, and it is slow to import
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    formats = plt.gcf().canvas.get_supported_filetypes()
-    extension = os.path.splitext(cfg['plot_file'])[1][1:].lower()
-    if cfg['plot_file'] and extension not in formats:
-        die(f"plot_file={cfg['plot_file']!r}: end it in a format matplotlib writes: "
-            + ', '.join('.' + f for f in sorted(formats)))
-    plt.close()
-    dirs = [d for d in cfg['out_dir'].split(',') if d.strip()]
-    fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for d in dirs:
-        log = read_jsonl(os.path.join(d, 'log.jsonl'))
-        if not log:
-            die(f"{d}/log.jsonl has no evaluations yet")
-        bpc = [e['val_bpc'] for e in log]
-        by_tokens.plot([e['tokens'] for e in log], bpc, marker='.', label=d)
-        by_time.plot([e['time'] / 60 for e in log], bpc, marker='.', label=d)
-    by_tokens.set(xlabel='training tokens', ylabel='val bits per character')
-    by_time.set(xlabel='wall-clock minutes')
-    for ax in (by_tokens, by_time):
-        ax.grid(alpha=0.3)
-    by_time.legend()
-    path = cfg['plot_file'] or os.path.join(dirs[0], 'bpc.png')
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
-
-
 def show_config(cfg, given):
     """The settings a run of these arguments starts from, as JSON (reproduce.py reads them)."""
     print(json.dumps(cfg, indent=2))
@@ -691,12 +544,12 @@ def show_config(cfg, given):
 
 def main(argv):
     cfg, given = parse_config(argv)
-    modes = dict(train=train, eval=evaluate, sample=sample, plot=plot, config=show_config)
+    modes = dict(train=train, config=show_config)
     try:
         modes[cfg['mode']](cfg, given)
     except OSError as e:   # an unwritable out_dir, a full disk: the system's own one-line reason
         die(why(e) if e.errno == errno.ENOSPC else e)
-    except KeyboardInterrupt:   # Ctrl-C in eval, sample or plot, or before training started
+    except KeyboardInterrupt:   # Ctrl-C before training started
         print("interrupted", file=sys.stderr)
         raise SystemExit(130)
 

@@ -5,7 +5,7 @@ with a model file, which sets the model, the batch and the schedule:
 
     python train_char.py config/enwik8.py config/damcha.py          # into out-enwik8-damcha/
     python train_char.py config/enwik8.py config/mha.py             # into out-enwik8-mha/
-    python train_char.py --mode=eval --out_dir=out-enwik8-damcha    # bpc, whole val and test splits
+    python eval_char.py --out_dir=out-enwik8-damcha    # bpc, whole val and test splits
 
 The model files' 50,000 iterations of 16,384 characters (819M) are about nine passes over the
 90M training characters.

@@ -4,7 +4,7 @@ probability 1/2, over the 256-byte vocabulary; the evaluations report both corpo
 Both are downloaded and prepared on the first run. A model file comes next:
 
     python train_char.py config/mix.py config/damcha.py        # into out-mix-damcha/
-    python train_char.py --mode=eval --out_dir=out-mix-damcha
+    python eval_char.py --out_dir=out-mix-damcha
 
 With the model files' schedule (819M characters) that is about 4.5 passes over each corpus's
 90M training characters.

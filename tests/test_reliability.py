@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import damcha_numpy
+import eval_char as ec
 import train_char as tc
 from data.prepare import atomic_write
 from common import digest
@@ -213,16 +214,16 @@ def test_ctrl_c_says_where_training_stopped_and_where_a_resume_starts(tmp_path, 
 
 def test_settings_are_checked_where_they_are_parsed(tmp_path):
     one_line_error(cli('--beta1=2', f'--out_dir={tmp_path / "never"}'), 'beta1=2.0 must be at least 0 and below 1')
-    one_line_error(cli('--mode=plot', f'--out_dir={tmp_path}', '--plot_file=bpc.xyz'),
+    one_line_error(cli('--mode=plot', f'--out_dir={tmp_path}', '--plot_file=bpc.xyz', script='eval_char.py'),
                    "plot_file='bpc.xyz': end it in a format matplotlib writes: ")
     assert 'beta2=1.0 must be at least 0 and below 1' in fails('--beta2=1')
     assert 'beta1=-0.5' in fails('--beta1=-0.5')
     assert 'seed=-1 must be a whole number from 0 to 2**32 - 1' in fails('--seed=-1')
     assert 'seed=4294967296' in fails(f'--seed={2**32}')
-    assert "out_dir=',' names no folder" in fails('--mode=plot', '--out_dir=,')
+    assert "out_dir=',' names no folder" in fails('--mode=plot', '--out_dir=,', main=ec.main)
     assert "out_dir='' names no folder" in fails('--out_dir=')
     assert 'learning_rate must be a finite number, not inf' in fails('--learning_rate=1e999')
-    assert "end it in a format" in fails('--mode=plot', f'--out_dir={tmp_path}', '--plot_file=bpc')
+    assert "end it in a format" in fails('--mode=plot', f'--out_dir={tmp_path}', '--plot_file=bpc', main=ec.main)
     assert not os.path.exists(tmp_path / 'never')
 
 
@@ -241,14 +242,14 @@ def test_prompts_are_bytes(byte_model, data_dir):
     out = f'--out_dir={byte_model / "out"}'
     prompt = byte_model / 'prompt'
     prompt.write_bytes(b'a\xff')   # a FILE: prompt is read as bytes, UTF-8 or not
-    result = cli('--mode=sample', out, f'--start=FILE:{prompt}')
+    result = cli('--mode=sample', out, f'--start=FILE:{prompt}', script='eval_char.py')
     assert result.returncode == 0 and result.stdout.startswith('a\ufffd'), result.stderr[-2000:]
-    result = cli('--mode=sample', out, b'--start=c\xfe')   # typed bytes that are not UTF-8 too
+    result = cli('--mode=sample', out, b'--start=c\xfe', script='eval_char.py')   # typed bytes that are not UTF-8 too
     assert result.returncode == 0 and result.stdout.startswith(b'c\xef\xbf\xbd'), result.stderr[-2000:]
     config = byte_model / 'surrogate.py'
     config.write_text('start = "\\ud800"\n')   # a str that has no bytes
-    assert 'the prompt cannot be written as bytes' in fails('--mode=sample', out, config)
-    assert "outside the model's 6-symbol vocabulary: b'\\x80'" in fails('--mode=sample', out, '--start=a\udc80')
+    assert 'the prompt cannot be written as bytes' in fails('--mode=sample', out, config, main=ec.main)
+    assert "outside the model's 6-symbol vocabulary: b'\\x80'" in fails('--mode=sample', out, '--start=a\udc80', main=ec.main)
     # with no prompt given, an empty --start stands for a newline or a space, which this corpus lacks
     one_line_error(cli(*TINY, f'--dataset={byte_model / "raw.bin"}', f'--data_dir={data_dir}',
                        f'--out_dir={byte_model / "never"}'), 'the dataset has neither a newline nor a space')
@@ -283,8 +284,8 @@ def test_damaged_checkpoints_get_one_line_that_recommends_nothing_unsafe(tmp_pat
     (tmp_path / 'empty' / 'ckpt.pt').write_bytes(b'')
     (tmp_path / 'random').mkdir()
     (tmp_path / 'random' / 'ckpt.pt').write_bytes(bytes(range(256)) * 8)
-    one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "empty"}'),
+    one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "empty"}', script='eval_char.py'),
                    'ckpt.pt is empty (0 bytes), not a checkpoint')
-    last = one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "random"}'), 'is not a readable checkpoint')
+    last = one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "random"}', script='eval_char.py'), 'is not a readable checkpoint')
     assert 'weights_only' not in last and 'UnpicklingError' in last, last
     assert 'weights_only' not in json.dumps(fails('--init_from=resume', f'--out_dir={tmp_path / "random"}'))

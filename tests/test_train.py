@@ -1,5 +1,5 @@
 """
-Tests of train_char.py: data preparation (from small archives made here, with the expected
+Tests of train_char.py and eval_char.py: data preparation (from small archives made here, with the expected
 size and checksum set for the test), training, exact resume, DDP on CPU, eval, sample, plot,
 and every bad input of issue 4 (one line, non-zero exit, checkpoint untouched).
 
@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import data.prepare as prep
+import eval_char as ec
 import train_char as tc
 from common import digest
 
@@ -32,23 +34,31 @@ TINY = ['--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_
         '--warmup_iters=2']
 
 
-def run(*argv):
-    tc.main([str(a) for a in argv])
+def run(*argv, main=tc.main):
+    main([str(a) for a in argv])
 
 
-def fails(*argv):
-    """The one-line error message that tc.main exits with."""
+def run_eval(*argv):
+    run(*argv, main=ec.main)
+
+
+def fails(*argv, main=tc.main):
+    """The one-line error message that main (train_char's, or eval_char's) exits with."""
     with pytest.raises(SystemExit) as e:
-        run(*argv)
+        run(*argv, main=main)
     message = e.value.code
     assert isinstance(message, str) and message.startswith('error: ') and '\n' not in message, message
     return message
 
 
-def cli(*args, timeout=120):
+def fails_eval(*argv):
+    return fails(*argv, main=ec.main)
+
+
+def cli(*args, script='train_char.py', timeout=120):
     # without TRITON_INTERPRET, which tests/test_triton.py may have set in this process
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
-    return subprocess.run([sys.executable, 'train_char.py', *map(str, args)], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 
@@ -270,7 +280,8 @@ def test_command_line_train_resume_sample(tmp_path, data_dir):
     assert [e['iter'] for e in tc.read_jsonl(out / 'log.jsonl')] == [0, 30, 60, 90]
     assert [e['iter'] for e in tc.read_jsonl(out / 'train_log.jsonl')] == list(range(90))
 
-    result = cli('--mode=sample', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=40', '--num_samples=2')
+    result = cli('--mode=sample', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=40', '--num_samples=2',
+                 script='eval_char.py')
     assert result.returncode == 0, result.stderr
     samples = result.stdout.split('---------------\n')
     assert len(samples) == 3 and all(s.startswith('ROMEO:') and len(s) > 40 for s in samples[:2])
@@ -315,7 +326,7 @@ def test_non_finite_loss_stops_and_keeps_the_checkpoint(trained, monkeypatch, tm
             return logits, loss * float('nan') if self.training else loss
 
     before = digest(trained / 'ckpt.pt')
-    monkeypatch.setattr(tc, 'GPT', Diverging)
+    monkeypatch.setattr(checkpoint, 'GPT', Diverging)   # build_model's GPT
     message = fails('--init_from=resume', f'--out_dir={trained}', '--max_iters=40')
     assert 'training loss became nan at iter 20' in message and 'iter 20) is the last good checkpoint' in message
     assert digest(trained / 'ckpt.pt') == before
@@ -331,7 +342,7 @@ def test_eval_scores_every_token_once(trained, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(prep, 'BUNDLED', str(small))
     results = []
     for stride in (0, 5):
-        run('--mode=eval', f'--out_dir={trained}', f'--stride={stride}', f'--data_dir={tmp_path}', '--batch_size=64')
+        run_eval('--mode=eval', f'--out_dir={trained}', f'--stride={stride}', f'--data_dir={tmp_path}', '--batch_size=64')
         out, err = capsys.readouterr()
         results.append(json.loads(out))
         assert 'shakespeare has no test split' in err
@@ -349,7 +360,7 @@ def test_mix_training_and_eval_report_both_corpora(corpora, capsys):
     assert entry['val_loss'] == pytest.approx((entry['val_loss_enwik8'] + entry['val_loss_text8']) / 2)
     assert {'val_bpc_enwik8', 'val_bpc_text8', 'train_loss_enwik8', 'train_loss_text8'} <= set(entry)
     capsys.readouterr()
-    run('--mode=eval', f'--out_dir={out}')
+    run_eval('--mode=eval', f'--out_dir={out}')
     result = json.loads(capsys.readouterr().out)
     for split in ('val', 'test'):
         assert result[f'{split}_tokens_enwik8'] == result[f'{split}_tokens_text8'] == 199
@@ -359,19 +370,19 @@ def test_mix_training_and_eval_report_both_corpora(corpora, capsys):
 def test_sample_from_a_file_prompt(trained, tmp_path, capsys):
     prompt = tmp_path / 'prompt.txt'
     prompt.write_text('Ham.\n')
-    run('--mode=sample', f'--out_dir={trained}', f'--start=FILE:{prompt}', '--max_new_tokens=30', '--seed=1')
+    run_eval('--mode=sample', f'--out_dir={trained}', f'--start=FILE:{prompt}', '--max_new_tokens=30', '--seed=1')
     first = capsys.readouterr().out
     assert first.startswith('Ham.\n') and first.endswith('---------------\n')
-    run('--mode=sample', f'--out_dir={trained}', f'--start=FILE:{prompt}', '--max_new_tokens=30', '--seed=1')
+    run_eval('--mode=sample', f'--out_dir={trained}', f'--start=FILE:{prompt}', '--max_new_tokens=30', '--seed=1')
     assert capsys.readouterr().out == first   # the seed fixes the sample
 
 
 def test_plot_of_several_runs(trained, tmp_path):
     png = tmp_path / 'bpc.png'
-    run('--mode=plot', f'--out_dir={trained},{trained}', f'--plot_file={png}')
+    run_eval('--mode=plot', f'--out_dir={trained},{trained}', f'--plot_file={png}')
     with open(png, 'rb') as f:
         assert f.read(8) == b'\x89PNG\r\n\x1a\n'
-    assert 'log.jsonl' in fails('--mode=plot', f'--out_dir={tmp_path}')
+    assert 'log.jsonl' in fails_eval('--mode=plot', f'--out_dir={tmp_path}')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,9 +402,9 @@ def test_bad_checkpoints_are_refused_and_kept(trained, tmp_path):
                     foreign='not a checkpoint of train_char.py', mismatched='do not fit the model')
     for name, words in expected.items():
         before = digest(tmp_path / name / 'ckpt.pt')
-        for mode in ('train', 'eval', 'sample'):
-            assert words in fails(f'--mode={mode}', '--init_from=resume', f'--out_dir={tmp_path / name}',
-                                  '--max_iters=40')
+        assert words in fails('--init_from=resume', f'--out_dir={tmp_path / name}', '--max_iters=40')
+        for mode in ('eval', 'sample'):
+            assert words in fails_eval(f'--mode={mode}', f'--out_dir={tmp_path / name}')
         assert digest(tmp_path / name / 'ckpt.pt') == before
     assert 'no checkpoint at' in fails('--init_from=resume', f'--out_dir={tmp_path / "empty"}')
 
@@ -407,15 +418,15 @@ def test_bad_input_with_an_existing_checkpoint_leaves_it_alone(trained, corpora)
     assert 'raise max_iters' in fails('--init_from=resume', out)
     assert 'neither' in fails('--init_from=resume', out, '--max_iters=40', '--dataset=nothing.txt')
     assert 'expected float' in fails('--init_from=resume', out, '--learning_rate=fast')
-    assert 'longer than the model' in fails('--mode=sample', out, '--start=' + 'a' * 17)
-    assert "outside the model's 80-symbol vocabulary: '\\x00'" in fails('--mode=sample', out, '--start=a\x00')
-    assert 'cannot read the prompt' in fails('--mode=sample', out, '--start=FILE:/no/such/prompt')
-    assert 'stride=17 is larger than block_size=16' in fails('--mode=eval', out, '--stride=17')
+    assert 'longer than the model' in fails_eval('--mode=sample', out, '--start=' + 'a' * 17)
+    assert "outside the model's 80-symbol vocabulary: '\\x00'" in fails_eval('--mode=sample', out, '--start=a\x00')
+    assert 'cannot read the prompt' in fails_eval('--mode=sample', out, '--start=FILE:/no/such/prompt')
+    assert 'stride=17 is larger than block_size=16' in fails_eval('--mode=eval', out, '--stride=17')
     assert digest(trained / 'ckpt.pt') == before
 
     data, _ = corpora   # text8 knows only a-z and space
     run(*TINY, '--dataset=text8', f'--data_dir={data}', f'--out_dir={data / "t8"}', '--max_iters=1')
-    message = fails('--mode=sample', f'--out_dir={data / "t8"}', '--start=ROMEO:')
+    message = fails_eval('--mode=sample', f'--out_dir={data / "t8"}', '--start=ROMEO:')
     assert "27-symbol vocabulary: ':' 'E' 'M' 'O' 'R'" in message
 
 

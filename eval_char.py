@@ -1,0 +1,157 @@
+"""
+eval_char.py: evaluate, sample from and plot the runs that train_char.py trained.
+
+In the manner of nanoGPT's sample.py: it reads out_dir/ckpt.pt and keeps the run's saved settings
+except those you pass, so `--blocks=diag` ablates a trained model at inference (a model trained
+with --gen_out=full). Settings: the defaults below, then config files and --key=value flags, read by
+the configurator that every script uses.
+
+    python eval_char.py --out_dir=out-shakespeare                    # bpc of the whole val split (and test), as JSON
+    python eval_char.py --out_dir=out-enwik8-damcha --stride=256     # overlapping windows: more context per token
+    python eval_char.py --out_dir=out-enwik8-damcha --blocks=diag    # Table 3's ablation of a gen_out=full model
+    python eval_char.py --mode=sample --out_dir=out-shakespeare --start="ROMEO:" --num_samples=3
+    python eval_char.py --mode=plot --out_dir=out-enwik8-damcha,out-enwik8-mha --plot_file=enwik8.png
+
+eval scores every token of a split exactly once, each with up to block_size - 1 tokens of context
+(stride 0: non-overlapping windows; with a stride, each window scores only its last stride tokens).
+"""
+import dataclasses
+import errno
+import json
+import math
+import os
+import sys
+
+import torch
+
+from checkpoint import (autocast_for, build_model, check_kernel, from_checkpoint, load_checkpoint, pick_device,
+                        read_jsonl, why)
+from configurator import configure, die
+from damcha_torch import GPTConfig
+from data.prepare import check_lengths, decode, encode, load_dataset, split_loss
+
+DEFAULTS = dict(
+    mode='eval',                  # eval | sample | plot
+    out_dir='out-shakespeare',    # the run's folder; for plot, several joined by commas
+    # taken from the checkpoint unless given here
+    dataset='shakespeare',        # shakespeare | enwik8 | text8 | mix | path to a text file
+    data_dir='',                  # prepared datasets go in <data_dir>/<name>/; '' is data/ beside this file
+    seed=1337,
+    device='auto',                # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    dtype='auto',                 # auto (CUDA: bfloat16 if supported, else float16; float32 elsewhere)
+    compile=False,
+    batch_size=12,                # windows per forward pass in eval
+    # eval
+    stride=0,                     # window step; 0: block_size (non-overlapping windows)
+    # sample
+    start='',                     # prompt, or FILE:path; '' is a newline (a space for text8)
+    num_samples=1,
+    max_new_tokens=500,
+    temperature=0.8,
+    top_k=0,                      # 0: sample from the whole distribution
+    # plot
+    plot_file='',                 # '' is bpc.png in the first out_dir
+)
+# every GPTConfig field is a setting too (they come from the checkpoint unless given)
+DEFAULTS.update({f.name: f.default for f in dataclasses.fields(GPTConfig)})
+CHOICES = dict(mode=('eval', 'sample', 'plot'), dtype=('auto', 'float32', 'bfloat16', 'float16'))
+POSITIVE = ('batch_size', 'num_samples', 'temperature', 'block_size')
+NON_NEGATIVE = ('stride', 'max_new_tokens', 'top_k', 'vocab_size')
+LN2 = math.log(2)
+
+
+def load_for_inference(cfg, given):
+    ckpt = load_checkpoint(cfg['out_dir'])
+    cfg, model_args = from_checkpoint(ckpt, cfg, given)
+    device = pick_device(cfg['device'], 0)
+    check_kernel(model_args['kernel'], device)
+    _, ctx = autocast_for(device, cfg['dtype'])
+    model = build_model(model_args, ckpt).to(device)
+    model.eval()
+    return ckpt, cfg, model, device, ctx
+
+
+def evaluate(cfg, given):
+    ckpt, cfg, model, device, ctx = load_for_inference(cfg, given)
+    if cfg['stride'] > cfg['block_size']:
+        die(f"stride={cfg['stride']} is larger than block_size={cfg['block_size']}: tokens would go unscored")
+    if cfg['compile']:
+        model = torch.compile(model)
+    components, _ = load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'])
+    check_lengths(components, ('val', 'test'), cfg['block_size'])
+    result = dict(dataset=cfg['dataset'], iter=ckpt['iter_num'], block_size=cfg['block_size'],
+                  stride=cfg['stride'] or cfg['block_size'])
+    for split in ('val', 'test'):
+        for c in components:
+            if split not in c['splits']:
+                print(f"note: {c['name']} has no {split} split", file=sys.stderr)
+                continue
+            loss, count = split_loss(model, c['splits'][split], c['lut'], cfg, device, ctx, f"{c['name']} {split}")
+            suffix = f"_{c['name']}" if len(components) > 1 else ''
+            result |= {f'{split}_loss{suffix}': loss, f'{split}_bpc{suffix}': loss / LN2,
+                       f'{split}_tokens{suffix}': count}
+        if len(components) > 1 and f"{split}_loss_{components[0]['name']}" in result:
+            loss = sum(result[f"{split}_loss_{c['name']}"] for c in components) / len(components)
+            result |= {f'{split}_loss': loss, f'{split}_bpc': loss / LN2}
+    print(json.dumps(result, indent=2))
+
+
+def sample(cfg, given):
+    ckpt, cfg, model, device, ctx = load_for_inference(cfg, given)
+    ids = encode(cfg['start'], ckpt['vocab'], cfg['block_size'])
+    torch.manual_seed(cfg['seed'])
+    with ctx:
+        out = model.generate(torch.tensor([ids] * cfg['num_samples'], device=device), cfg['max_new_tokens'],
+                             cfg['temperature'], cfg['top_k'] or None)
+    for row in out.tolist():
+        print(decode(row, ckpt['vocab']))
+        print('---------------')
+
+
+def plot(cfg, given):
+    import matplotlib   # here, not at the top: only this mode needs it, and it is slow to import
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    formats = plt.gcf().canvas.get_supported_filetypes()
+    extension = os.path.splitext(cfg['plot_file'])[1][1:].lower()
+    if cfg['plot_file'] and extension not in formats:
+        die(f"plot_file={cfg['plot_file']!r}: end it in a format matplotlib writes: "
+            + ', '.join('.' + f for f in sorted(formats)))
+    plt.close()
+    dirs = [d for d in cfg['out_dir'].split(',') if d.strip()]
+    fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for d in dirs:
+        log = read_jsonl(os.path.join(d, 'log.jsonl'))
+        if not log:
+            die(f"{d}/log.jsonl has no evaluations yet")
+        bpc = [e['val_bpc'] for e in log]
+        by_tokens.plot([e['tokens'] for e in log], bpc, marker='.', label=d)
+        by_time.plot([e['time'] / 60 for e in log], bpc, marker='.', label=d)
+    by_tokens.set(xlabel='training tokens', ylabel='val bits per character')
+    by_time.set(xlabel='wall-clock minutes')
+    for ax in (by_tokens, by_time):
+        ax.grid(alpha=0.3)
+    by_time.legend()
+    path = cfg['plot_file'] or os.path.join(dirs[0], 'bpc.png')
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv):
+    cfg, given = configure(DEFAULTS, argv, CHOICES, POSITIVE, NON_NEGATIVE, doc=__doc__)
+    if not [d for d in cfg['out_dir'].split(',') if d.strip()]:
+        die(f"out_dir={cfg['out_dir']!r} names no folder")
+    if not 0 <= cfg['seed'] < 2**32:
+        die(f"seed={cfg['seed']} must be a whole number from 0 to 2**32 - 1")
+    try:
+        dict(eval=evaluate, sample=sample, plot=plot)[cfg['mode']](cfg, given)
+    except OSError as e:   # an unwritable plot_file, a full disk: the system's own one-line reason
+        die(why(e) if e.errno == errno.ENOSPC else e)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130)
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
