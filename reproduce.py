@@ -443,8 +443,10 @@ def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
             if values:
                 row[f'val_bpc_{b}'] = values
         rows.append(row)
+    contrasts = study_contrasts(evals, seeds)
     with open(os.path.join(results, 'summary.json'), 'w') as f:
-        json.dump(dict(regime=regime, seeds=seeds, commit=commit, rows=rows), f, indent=2)
+        json.dump(dict(regime=regime, seeds=seeds, commit=commit, run_commits=sorted({e['commit'] for e in evals.values()}),
+                       rows=rows, contrasts=contrasts), f, indent=2)
     lines = [f"2x2 study, regime {regime}: {REGIMES[regime]}; whole-val bpc, mean ± std over seeds; paired "
              "differences to MHA (same seed, same batches) with 95% t intervals; equal time: each pair's val "
              "estimates (log.jsonl) at the earlier finishing time; gap: val - train estimate at the end, bpc.", '',
@@ -454,6 +456,12 @@ def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
         lines.append(f"| {r['variant']} | {r['lr']:g} | {r['rel_params_vs_mha']:+.2%} | {r['runs']} | "
                      f"{fmt(r['val_bpc_mean'], r['val_bpc_std'])} | {fmt_interval(*r['diff_equal_steps'])} | "
                      f"{fmt_interval(*r['diff_equal_time'])} | {fmt(r['gap_mean'], None)} | {fmt(r['minutes'], None)} |")
+    if contrasts:
+        lines += ['', 'The 2x2 read along its sides: paired differences (same seed, same batches) at equal steps, '
+                  'val bpc, with 95% t intervals; negative: the first is better.', '',
+                  '| contrast | first - second | runs | difference |', '|---|---|---|---|']
+        lines += [f"| {c['contrast']} | {c['first']} - {c['second']} | {c['runs']} | {fmt_interval(*c['diff'])} |"
+                  for c in contrasts]
     for r in rows:
         for b in ('diag', 'offdiag'):
             if f'val_bpc_{b}' in r:
@@ -462,6 +470,25 @@ def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
     with open(os.path.join(results, 'summary.md'), 'w') as f:
         f.write('\n'.join(lines) + '\n')
     print('\n'.join(lines))
+
+
+# the sides of the 2x2: each effect measured twice, once in each row or column of the other factor
+CONTRASTS = (('own slice instead of projected q, k (adaptive metric)', 'damcha', 'proj'),
+             ('own slice instead of projected q, k (static metric)', 'static', 'mha'),
+             ('adaptive metric instead of static (own slice)', 'damcha', 'static'),
+             ('adaptive metric instead of static (projected q, k)', 'proj', 'mha'),
+             ('full generator output instead of folded (Table 3 model)', 'damcha_full', 'damcha'))
+
+
+def study_contrasts(evals, seeds):
+    """CONTRASTS as paired differences of whole-val bpc over the seeds both variants finished."""
+    out = []
+    for contrast, first, second in CONTRASTS:
+        both = [s for s in range(1, seeds + 1) if f'{first}-seed{s}' in evals and f'{second}-seed{s}' in evals]
+        if both:
+            diffs = [evals[f'{first}-seed{s}']['val_bpc'] - evals[f'{second}-seed{s}']['val_bpc'] for s in both]
+            out.append(dict(contrast=contrast, first=first, second=second, runs=len(both), diff=interval(diffs)))
+    return out
 
 
 def study(opts, passthrough):

@@ -13,7 +13,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
+
+import reproduce
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ('mha', 'damcha', 'damcha_static')
@@ -102,3 +105,17 @@ def test_study_2x2_lr_sweep_then_regime_i(tmp_path):
     assert len(rows['damcha_full']['val_bpc_diag']) == len(rows['damcha_full']['val_bpc_offdiag']) == 1
     assert rows['mha']['diff_equal_steps'] == [0.0, None]
     assert run('--regime=i').stdout.count('skip ') == 2
+
+
+def test_study_contrasts_pair_runs_of_the_same_seed():
+    """The 2x2's sides are paired differences over the seeds both variants finished; a side with a
+    variant missing is left out."""
+    evals = {f'{v}-seed{s}': dict(val_bpc=bpc + 0.1 * s + 0.01 * (v == 'static') * s, commit='c')
+             for v, bpc in (('mha', 2.0), ('damcha', 2.1), ('static', 2.3), ('proj', 2.05)) for s in (1, 2, 3)}
+    del evals['proj-seed3']
+    sides = {(c['first'], c['second']): c for c in reproduce.study_contrasts(evals, seeds=3)}
+    assert set(sides) == {('damcha', 'proj'), ('static', 'mha'), ('damcha', 'static'), ('proj', 'mha')}
+    assert sides['damcha', 'proj']['runs'] == 2
+    assert sides['damcha', 'proj']['diff'] == (pytest.approx(0.05), pytest.approx(0.0, abs=1e-12))
+    mean, half = sides['static', 'mha']['diff']
+    assert sides['static', 'mha']['runs'] == 3 and mean == pytest.approx(0.32) and half > 0
