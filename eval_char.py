@@ -12,8 +12,9 @@ the configurator that every script uses.
     python eval_char.py --mode=sample --out_dir=out-shakespeare --start="ROMEO:" --num_samples=3
     python eval_char.py --mode=plot --out_dir=out-enwik8-damcha,out-enwik8-mha --plot_file=enwik8.png
 
-eval scores every token of a split exactly once, each with up to block_size - 1 tokens of context
-(stride 0: non-overlapping windows; with a stride, each window scores only its last stride tokens).
+eval scores every next-character target of a split exactly once: windows of block_size start every
+stride tokens (0: block_size, non-overlapping), and each scores only the targets not scored before,
+so with a stride below block_size every target sees at least block_size - stride tokens of context.
 """
 import dataclasses
 import errno

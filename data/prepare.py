@@ -305,7 +305,7 @@ def decode(ids, vocab):
 @torch.no_grad()
 def split_loss(model, data, lut, cfg, device, ctx, desc=''):
     """Mean loss of model(x, y) -> (logits, _) over every next-token target of a split's ids `data`
-    (all but its first token), as train_char.py --mode=eval scores it; cfg: block_size, stride
+    (all but its first token), as eval_char.py scores it; cfg: block_size, stride
     and batch_size. Windows of block_size start every `stride` tokens (0: block_size); each scores
     only targets not scored before, so with a stride below block_size each target sees at least
     block_size - stride tokens of context. Returns (mean loss in nats, number of targets)."""
