@@ -131,12 +131,18 @@ def _damcha_attn(params, config, l, u, m):
 
 def _mha_attn(params, config, l, u):
     """Standard causal multi-head attention baseline (attn='mha')."""
-    B, T, D = u.shape
+    D = u.shape[-1]
     H = config.n_head
-    dh = D // H
     pre = "h.%d.attn." % l
     qkv = _linear(params, pre + "c_attn", u)  # rows of c_attn are [q; k; v]
     q, k, v = qkv[..., :D], qkv[..., D:2 * D], qkv[..., 2 * D:]
+    return _linear(params, pre + "c_proj", _causal_heads(q, k, v, H))
+
+
+def _causal_heads(q, k, v, H):
+    """Per head i: out_i[t] = sum over s <= t of softmax_s(q_i[t] . k_i[s] / sqrt(dh)) v_i[s]."""
+    B, T, D = q.shape
+    dh = D // H
     out = np.zeros((B, T, D))
     for b in range(B):
         for i in range(H):
@@ -149,7 +155,7 @@ def _mha_attn(params, config, l, u):
                 for s in range(t + 1):
                     o += a[s] * v[b, s, sl]
                 out[b, t, sl] = o
-    return _linear(params, pre + "c_proj", out)
+    return out
 
 
 # ---------------------------------------------------------------- the network

@@ -11,7 +11,6 @@ written out below; the rest comes from tests/spec_reference.py), qk="proj" with 
 MHA exactly, the own-slice static identity metric equals MHA with W_q = W_k = I; causality;
 parameter matching within 2% at train_char's default model; defaults unchanged.
 """
-import math
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ import torch
 
 from common import rel_err
 from damcha_torch import GPT, GPTConfig, compute_metric, count_params, equal_params_width
-from spec_reference import _gelu, _layernorm, _linear, _metrics, _softmax_1d, reference_forward
+from spec_reference import _causal_heads, _gelu, _layernorm, _linear, _metrics, reference_forward
 
 TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, gen_width=6)
 PROJ = [dict(qk="proj", share=share, adaptive=adaptive, gen_out=gen_out)
@@ -53,15 +52,12 @@ def proj_attention(params, config, l, u, m):
     dh = D // H
     qkv = _linear(params, f"h.{l}.attn.c_attn", u)
     q, k, v = qkv[..., :D], qkv[..., D:2 * D], qkv[..., 2 * D:]
-    out = np.zeros((B, T, D))
+    q_m = np.zeros_like(q)                      # the query (u W_q)_i[t] m_i[t], position by position
     for b in range(B):
-        for i in range(H):
-            sl = slice(i * dh, (i + 1) * dh)
-            for t in range(T):
-                scores = np.array([q[b, t, sl] @ m[b, t, i] @ k[b, s, sl] / math.sqrt(dh) for s in range(t + 1)])
-                a = _softmax_1d(scores)
-                out[b, t, sl] = sum(a[s] * v[b, s, sl] for s in range(t + 1))
-    return _linear(params, f"h.{l}.attn.c_proj", out)
+        for t in range(T):
+            for i in range(H):
+                q_m[b, t, i * dh:(i + 1) * dh] = q[b, t, i * dh:(i + 1) * dh] @ m[b, t, i]
+    return _linear(params, f"h.{l}.attn.c_proj", _causal_heads(q_m, k, v, H))
 
 
 def proj_forward(params, config, idx):
