@@ -12,8 +12,9 @@ The forward kernel forms each query q_t = x_t m_t from the tile of m it loads fo
 positions, then runs causal attention with an online softmax: the (B, H, T, T) scores never reach
 global memory; it keeps the row logsumexp, from which the backward recomputes the attention
 probabilities block by block (Dao, "FlashAttention-2", 2023), and q (B, H, T, dh), 1/dh the size
-of m, so that the backward reads m once only, where it forms dx and dm. dm is as large as m for
-per-token metrics.
+of m, so that the backward reads m once only, where it forms dx. The backward kernels stop at dq;
+the op's autograd formula forms dm = x^T dq in torch (as large as m for per-token metrics: an
+elementwise product, which torch.compile can fuse into the sum over layers of a shared m).
 
 Constraints (damcha_attention raises ValueError outside them): 1 <= dh <= 128, a power of two or
 not (the kernels pad the feature axis to DH, the next power of two >= 16, as tl.dot needs K >= 16);
@@ -82,7 +83,7 @@ BWD_CONFIGS = ((64, 4, 3), (64, 8, 2), (32, 8, 2), (16, 4, 2))
 
 
 # ----------------------------------------------------------------------------------------------
-# Building blocks shared by the kernels. Offsets are 64-bit: the row offsets into m and dm reach
+# Building blocks shared by the kernels. Offsets are 64-bit: the row offsets into m reach
 # T * H * dh^2, over 2^31 at T = 8192, D = 2048.
 
 @triton.jit
@@ -110,13 +111,11 @@ def _program(H, T, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_pointers(x_base, m_base, rows, cols, stride_xt, stride_mt, stride_me, T, dh):
-    # for the loops over the rows d of the per-token metrics: x_t[0] (BLOCK,) and m_t[0, :]
-    # (BLOCK, DH) of each position, which row d offsets by d * stride, and the masks
-    rows64 = rows.to(tl.int64)
-    row_ok = rows < T
-    return (x_base + rows64 * stride_xt, m_base + rows64[:, None] * stride_mt + cols[None, :] * stride_me,
-            row_ok, row_ok[:, None] & (cols < dh)[None, :])
+def _metric_row_pointers(m_base, rows, cols, stride_mt, stride_me, T, dh):
+    # for the loops over the rows d of the per-token metrics: m_t[0, :] (BLOCK, DH) of each
+    # position, which row d offsets by d * stride_md, and its mask
+    return (m_base + rows.to(tl.int64)[:, None] * stride_mt + cols[None, :] * stride_me,
+            (rows < T)[:, None] & (cols < dh)[None, :])
 
 
 @triton.jit
@@ -126,10 +125,11 @@ def _metric_query(x_base, m_base, rows, cols, stride_xt, stride_xd, stride_mt, s
     if PER_TOKEN:
         # every position has its own (dh, dh) matrix: a batch of vector-matrix products, not a
         # matmul. Walk the rows d of m_t, q_t += x_t[d] m_t[d, :], M_STAGES loads ahead
-        x_ptrs, m_ptrs, row_ok, mask = _row_pointers(x_base, m_base, rows, cols, stride_xt, stride_mt, stride_me, T, dh)
+        m_ptrs, mask = _metric_row_pointers(m_base, rows, cols, stride_mt, stride_me, T, dh)
+        x_ptrs = x_base + rows.to(tl.int64) * stride_xt                                   # x_t[0] (BLOCK,)
         q = tl.zeros((BLOCK, DH), dtype=tl.float32)
         for d in tl.range(0, dh, num_stages=M_STAGES):
-            x_d = tl.load(x_ptrs + d * stride_xd, mask=row_ok, other=0.0)                  # (BLOCK,) x_t[d]
+            x_d = tl.load(x_ptrs + d * stride_xd, mask=rows < T, other=0.0)                # (BLOCK,) x_t[d]
             m_d = tl.load(m_ptrs + d * stride_md, mask=mask, other=0.0)                    # (BLOCK, DH) m_t[d, :]
             q += x_d.to(tl.float32)[:, None] * m_d.to(tl.float32)
     else:
@@ -208,7 +208,8 @@ def _attn_fwd(x_ptr, m_ptr, v_ptr, o_ptr, lse_ptr, q_ptr,
 #   dq = dS k / sqrt(dh),  dk = dS^T q / sqrt(dh).
 # Three kernels: _bwd_prep (D), _bwd_dkdv (one program per key block, looping over the queries
 # that see it), _bwd_dq (one program per query block, looping over its keys, then through q = x m
-# to dx and dm). dx collects two parts, x being both the keys and the queries' input.
+# to dx). dx collects two parts, x being both the keys and the queries' input. The kernels write
+# dq, not dm: _backward forms dm = x^T dq in torch, where torch.compile can fuse it.
 
 @triton.jit
 def _bwd_prep(o_ptr, do_ptr, delta_ptr,
@@ -295,14 +296,14 @@ def _bwd_dq_block(dq, q, do, lse, delta, x_base, v_base, rows, start_n, cols,
 
 @_autotune(*BWD_CONFIGS)
 @triton.jit
-def _bwd_dq(x_ptr, m_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dx_ptr, dm_ptr,
+def _bwd_dq(x_ptr, m_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dx_ptr, dq_ptr,
             stride_xb, stride_xh, stride_xt, stride_xd,
             stride_mb, stride_mt, stride_mh, stride_md, stride_me,
             stride_vb, stride_vh, stride_vt, stride_vd,
             stride_dob, stride_doh, stride_dot, stride_dod,
             stride_dkb, stride_dkh, stride_dkt, stride_dkd,
             stride_dxb, stride_dxh, stride_dxt, stride_dxd,
-            stride_dmb, stride_dmt, stride_dmh, stride_dmd,
+            stride_dqb, stride_dqh, stride_dqt, stride_dqd,
             H, T, dh, sm_scale, qk_scale,
             BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
     bh, b, h, start_m = _program(H, T, BLOCK)                           # a block of queries
@@ -321,26 +322,22 @@ def _bwd_dq(x_ptr, m_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dx_p
     dq = _bwd_dq_block(dq, q, do, lse, delta, x_base, v_base, rows, start_m, cols, stride_xt, stride_xd,
                        stride_vt, stride_vd, T, dh, qk_scale, BLOCK, True, PRECISION)
     dq = dq * sm_scale                                          # (BLOCK, DH), with the 1/sqrt(dh) of S
-    # Eq. 5, q_t = x_t m_t:  dx_t = dq_t m_t^T (the query side of dx),  dm_t = x_t^T dq_t
+    # Eq. 5, q_t = x_t m_t. dq is stored for _backward, which forms dm_t = x_t^T dq_t from it
+    _store_rows(dq_ptr + b * stride_dqb + h * stride_dqh, dq, rows, cols, stride_dqt, stride_dqd, T, dh)
+    # and dx_t = dq_t m_t^T, the query side of dx
     m_base = m_ptr + b * stride_mb + h * stride_mh
     if PER_TOKEN:
-        # row by row of m_t, M_STAGES loads ahead:
-        #   dx_t[d] = sum_e dq_t[e] m_t[d, e],   dm_t[d, :] = x_t[d] dq_t (an outer product per position)
-        x_ptrs, m_ptrs, row_ok, mask = _row_pointers(x_base, m_base, rows, cols, stride_xt, stride_mt, stride_me, T, dh)
-        dm_ptrs = dm_ptr + b * stride_dmb + h * stride_dmh + rows.to(tl.int64)[:, None] * stride_dmt + cols[None, :]
+        # row by row of m_t, M_STAGES loads ahead: dx_t[d] = sum_e dq_t[e] m_t[d, e]
+        m_ptrs, mask = _metric_row_pointers(m_base, rows, cols, stride_mt, stride_me, T, dh)
         dx_query = tl.zeros((BLOCK, DH), dtype=tl.float32)
         for d in tl.range(0, dh, num_stages=M_STAGES):
             m_d = tl.load(m_ptrs + d * stride_md, mask=mask, other=0.0).to(tl.float32)    # (BLOCK, DH) m_t[d, :]
             dx_query = tl.where(cols[None, :] == d, tl.sum(dq * m_d, 1)[:, None], dx_query)
-            x_d = tl.load(x_ptrs + d * stride_xd, mask=row_ok, other=0.0).to(tl.float32)  # (BLOCK,) x_t[d]
-            tl.store(dm_ptrs + d * stride_dmd, (x_d[:, None] * dq).to(dm_ptr.dtype.element_ty), mask=mask)
     else:
-        # one matrix per head: dx = dq m^T is one matmul. dm = sum over (b, t) of x_t^T dq_t: dq goes
-        # to dm_ptr, a float32 (B*H, T, dh) buffer, and damcha_attention takes that sum as one matmul
-        # (dq rounded to the inputs' dtype, as torch's 16-bit path rounds it: a 16-bit tensor-core dot)
+        # one matrix per head: dx = dq m^T is one matmul (dq rounded to the inputs' dtype, as torch's
+        # 16-bit path rounds it: a 16-bit tensor-core dot)
         m = _load_rows(m_base, cols, cols, stride_md, stride_me, dh, dh)                      # (DH, DH)
         dx_query = tl.dot(dq.to(m.dtype), tl.trans(m), input_precision=PRECISION)
-        _store_rows(dm_ptr + bh * T * dh, dq, rows, cols, dh, 1, T, dh)
     # x is the keys and the queries' input: dx = dk (from _bwd_dkdv) + dq m^T
     dk = _load_rows(dk_ptr + b * stride_dkb + h * stride_dkh, rows, cols, stride_dkt, stride_dkd, T, dh)
     _store_rows(dx_ptr + b * stride_dxb + h * stride_dxh, dk + dx_query, rows, cols, stride_dxt, stride_dxd, T, dh)
@@ -399,16 +396,13 @@ def _forward_plan(x, m, v):
 
 
 def _backward_plan(do, x, m, v, o, lse, q):
-    """The backward's outputs (dx, dm, dv) and its scratch, allocated, and its kernel launches."""
+    """The backward's outputs (dx, dq, dv) and its scratch, allocated, and its kernel launches."""
     B, H, T, dh = x.shape
     options = _options(x)
     sm_scale = 1.0 / math.sqrt(dh)
-    dx, dm, dv = _attention_backward_fake(do, x, m, v, o, lse, q)
+    dx, dq, dv = _attention_backward_fake(do, x, m, v, o, lse, q)
     delta = torch.empty(B, H, T, device=x.device, dtype=torch.float32)
     dk = _heads_like(x, torch.float32)    # float32: the two parts of dx are added before rounding
-    per_token = m.dim() == 5
-    # static: the kernel writes dq (float32), and dm = sum over (b, t) of x_t^T dq_t is one matmul
-    dq_or_dm = dm if per_token else torch.empty(B, H, T, dh, device=x.device, dtype=torch.float32)
     launches = [
         # D_t = rowsum(dO_t * O_t)
         (_bwd_prep, (B * H, triton.cdiv(T, PREP_BLOCK)), (o, do, delta, *o.stride(), *do.stride(), H, T, dh),
@@ -416,13 +410,13 @@ def _backward_plan(do, x, m, v, o, lse, q):
         # O = P V and P = softmax(q x^T / sqrt(dh)), from the side of the keys x: dv, and dk
         (_bwd_dkdv, _grid(x), (x, v, q, do, lse, delta, dk, dv, *x.stride(), *v.stride(), *do.stride(), *dk.stride(),
                                *dv.stride(), H, T, dh, sm_scale, sm_scale * LOG2E), options),
-        # the same, from the side of the queries: dq; then q = x m: dx = dk + dq m^T, dm = x^T dq
-        (_bwd_dq, _grid(x), (x, m, v, q, do, lse, delta, dk, dx, dq_or_dm, *x.stride(), *_metric_strides(m),
-                             *v.stride(), *do.stride(), *dk.stride(), *dx.stride(),
-                             *(dm.stride()[:4] if per_token else (0, 0, 0, 0)), H, T, dh, sm_scale, sm_scale * LOG2E),
-         dict(PER_TOKEN=per_token, **options)),
+        # the same, from the side of the queries: dq; then q = x m: dx = dk + dq m^T
+        (_bwd_dq, _grid(x), (x, m, v, q, do, lse, delta, dk, dx, dq, *x.stride(), *_metric_strides(m),
+                             *v.stride(), *do.stride(), *dk.stride(), *dx.stride(), *dq.stride(),
+                             H, T, dh, sm_scale, sm_scale * LOG2E),
+         dict(PER_TOKEN=m.dim() == 5, **options)),
     ]
-    return (dx, dm, dv, dq_or_dm), launches
+    return (dx, dq, dv), launches
 
 
 def _launch(launches, x):
@@ -449,17 +443,18 @@ def _attention_fake(x, m, v):
 @torch.library.custom_op("damcha::attention_backward", mutates_args=())
 def _attention_backward(do: torch.Tensor, x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                         lse: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dx, dm, dv for the output gradient do."""
-    (dx, dm, dv, dq_or_dm), launches = _backward_plan(do, x, m, v, o, lse, q)
+    """-> dx, dq, dv for the output gradient do: the gradients for x and v, and for the queries
+    q = x m, from which _backward forms m's."""
+    outputs, launches = _backward_plan(do, x, m, v, o, lse, q)
     _launch(launches, x)
-    if m.dim() == 3:
-        dm.copy_(torch.einsum("bhtd,bhte->hde", x.float(), dq_or_dm))          # (H, dh, dh)
-    return dx, dm, dv
+    return outputs
 
 
 @_attention_backward.register_fake
 def _attention_backward_fake(do, x, m, v, o, lse, q):
-    return _heads_like(x, x.dtype), torch.empty_like(m, memory_format=torch.contiguous_format), _heads_like(v, v.dtype)
+    # dq in x's dtype, as torch's 16-bit path has it, and laid out as x, so that dm below comes out
+    # in m's layout; nothing of m's size
+    return _heads_like(x, x.dtype), _heads_like(x, x.dtype), _heads_like(v, v.dtype)
 
 
 def _setup_context(ctx, inputs, output):
@@ -469,8 +464,21 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, q)
 
 
-def _backward(ctx, do, dlse, dq):
-    return _attention_backward(do, *ctx.saved_tensors)
+def _backward(ctx, do, dlse, dq_output):
+    x, m = ctx.saved_tensors[:2]
+    dx, dq, dv = _attention_backward(do, *ctx.saved_tensors)
+    # Eq. 5, q_t = x_t m_t -> dm_t = x_t^T dq_t, here in torch rather than in the opaque op, so that
+    # torch.compile sees it. With a shared m every layer adds such a dm to m's gradient; for
+    # per-token metrics it is as large as m. As an elementwise product (an outer product per
+    # position and head, as damcha_torch.MetricQuery writes it) inductor can fuse the L layers' dm
+    # into their sum and store none of them; as outputs of the op they all stayed alive until the
+    # sum (compiled step: 10.5 GB peak against eager's 4.8 on an H200, README)
+    x, dq = x.transpose(1, 2), dq.transpose(1, 2)                     # (B, T, H, dh), as m's axes
+    if m.dim() == 5:
+        dm = x.unsqueeze(-1) * dq.unsqueeze(-2)                       # (B, T, H, dh, dh)
+    else:
+        dm = torch.einsum("bthd,bthe->hde", x, dq)                    # (H, dh, dh), summed over b, t: one matmul
+    return dx, dm, dv
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)

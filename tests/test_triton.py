@@ -26,6 +26,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # the interpreter must be chosen before damcha_triton defines its kernels, hence the late imports
 if not torch.cuda.is_available():
@@ -152,7 +153,7 @@ def test_argument_checks():
 
 def test_forward_keeps_q_for_the_backward():
     """The forward stores q = x m (Eq. 5) as its dots used it, so that the backward reads m only
-    where it forms dx and dm; the row logsumexp lse (base 2) comes with it."""
+    where it forms dx; the row logsumexp lse (base 2) comes with it."""
     for static in (False, True):
         x, m, v, _ = make_inputs(1, 2, 20, 12, static)
         o, lse, q = damcha_triton._attention(x, m, v)
@@ -162,6 +163,47 @@ def test_forward_keeps_q_for_the_backward():
         assert q.is_contiguous() and rel_err(q, want_q) < FWD_TOL
         assert rel_err(lse, torch.logsumexp(scores, -1) / math.log(2)) < FWD_TOL
         assert rel_err(o, torch.softmax(scores, -1) @ v.double()) < FWD_TOL
+
+
+def test_backward_op_returns_dq_not_dm():
+    """The backward op returns dq (B, H, T, dh), laid out as x, in x's dtype: nothing of m's size.
+    Its autograd formula forms dm = x^T dq from it in torch (test below)."""
+    for static in (False, True):
+        x, m, v, do = make_inputs(2, 2, 20, 8, static)
+        o, lse, q = damcha_triton._attention(x, m, v)
+        outputs = torch.ops.damcha.attention_backward(do, x, m, v, o, lse, q)
+        assert all(t.shape == x.shape and t.stride() == x.stride() and t.dtype == x.dtype for t in outputs)
+
+
+class MetricSizedOutputs(TorchDispatchMode):
+    """Records the name of every operation whose output has `numel` entries."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() == self.numel:
+                self.ops.append(func.overloadpacket.__name__)
+        return out
+
+
+def test_shared_metric_gradient_is_elementwise():
+    """With share=True every layer adds its own dm = x^T dq, as large as m, to m's gradient. The
+    kernels' backward must leave it to torch as an elementwise product, as damcha_torch.MetricQuery
+    does (tests/test_torch.py has the same test): torch.compile can then fuse the L products into
+    one sum, while the op's own m-sized outputs stayed alive together until the sum (compiled:
+    10,459 MiB peak on an H200, eager 4,828). m's B*T*H*dh*dh = 1024 entries are a unique size here."""
+    config = GPTConfig(kernel="triton", vocab_size=11, block_size=8, n_layer=3, n_head=2, n_embd=16, gen_width=6)
+    model = GPT(config).to(DEVICE)
+    idx = torch.randint(config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    _, loss = model(idx, idx)
+    with MetricSizedOutputs(2 * 8 * 2 * 8 * 8) as mode:
+        loss.backward()
+    assert mode.ops.count("mul") >= config.n_layer, mode.ops              # each layer's dm, elementwise
+    assert not {"attention_backward", "bmm", "mm", "matmul", "baddbmm"} & set(mode.ops), mode.ops
 
 
 def test_launch_grid_keeps_batch_and_heads_on_axis_0():
@@ -327,7 +369,7 @@ def test_forward_memory_cuda():
 
 @requires_cuda
 def test_offsets_past_2_to_31_cuda():
-    """T * H * dh^2 = 8192 * 24 * 128^2 > 2^31: the row offsets into m and dm need 64 bits. With
+    """T * H * dh^2 = 8192 * 24 * 128^2 > 2^31: the row offsets into m need 64 bits. With
     an output gradient on the last 16 positions only, those positions' outputs and metric
     gradients have a cheap float64 reference: their own queries against all keys."""
     B, H, T, dh, R = 1, 24, 8192, 128, 16
