@@ -460,8 +460,9 @@ def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
         lines += ['', 'The 2x2 read along its sides: paired differences (same seed, same batches) at equal steps, '
                   'val bpc, with 95% t intervals; negative: the first is better.', '',
                   '| contrast | first - second | runs | difference |', '|---|---|---|---|']
-        lines += [f"| {c['contrast']} | {c['first']} - {c['second']} | {c['runs']} | {fmt_interval(*c['diff'])} |"
-                  for c in contrasts]
+        lines += [f"| {c['contrast']} | ({c['first']}) - ({c['second']}) | {c['runs']} | {fmt_interval(*c['diff'])} |"
+                  if ' - ' in c['first'] else f"| {c['contrast']} | {c['first']} - {c['second']} | {c['runs']} | "
+                  f"{fmt_interval(*c['diff'])} |" for c in contrasts]
     for r in rows:
         for b in ('diag', 'offdiag'):
             if f'val_bpc_{b}' in r:
@@ -481,13 +482,22 @@ CONTRASTS = (('own slice instead of projected q, k (adaptive metric)', 'damcha',
 
 
 def study_contrasts(evals, seeds):
-    """CONTRASTS as paired differences of whole-val bpc over the seeds both variants finished."""
-    out = []
+    """CONTRASTS as paired differences of whole-val bpc over the seeds both variants finished, and
+    the interaction: the first two contrasts' difference, seed by seed (how much the adaptive
+    metric changes the cost of the own slice; equally, how much the own slice changes the effect
+    of the adaptive metric)."""
+    out, per_seed = [], {}
     for contrast, first, second in CONTRASTS:
         both = [s for s in range(1, seeds + 1) if f'{first}-seed{s}' in evals and f'{second}-seed{s}' in evals]
         if both:
             diffs = [evals[f'{first}-seed{s}']['val_bpc'] - evals[f'{second}-seed{s}']['val_bpc'] for s in both]
+            per_seed[first, second] = dict(zip(both, diffs))
             out.append(dict(contrast=contrast, first=first, second=second, runs=len(both), diff=interval(diffs)))
+    a, b = per_seed.get(('damcha', 'proj'), {}), per_seed.get(('static', 'mha'), {})
+    both = sorted(set(a) & set(b))
+    if both:
+        out.append(dict(contrast='interaction: (damcha - proj) - (static - mha)', first='damcha - proj',
+                        second='static - mha', runs=len(both), diff=interval([a[s] - b[s] for s in both])))
     return out
 
 

@@ -114,7 +114,11 @@ def test_study_contrasts_pair_runs_of_the_same_seed():
              for v, bpc in (('mha', 2.0), ('damcha', 2.1), ('static', 2.3), ('proj', 2.05)) for s in (1, 2, 3)}
     del evals['proj-seed3']
     sides = {(c['first'], c['second']): c for c in reproduce.study_contrasts(evals, seeds=3)}
-    assert set(sides) == {('damcha', 'proj'), ('static', 'mha'), ('damcha', 'static'), ('proj', 'mha')}
+    assert set(sides) == {('damcha', 'proj'), ('static', 'mha'), ('damcha', 'static'), ('proj', 'mha'),
+                          ('damcha - proj', 'static - mha')}
+    # the interaction over seeds 1 and 2: (0.05 - (0.3 + 0.01 s)) per seed
+    assert sides['damcha - proj', 'static - mha']['runs'] == 2
+    assert sides['damcha - proj', 'static - mha']['diff'][0] == pytest.approx(0.05 - 0.315)
     assert sides['damcha', 'proj']['runs'] == 2
     assert sides['damcha', 'proj']['diff'] == (pytest.approx(0.05), pytest.approx(0.0, abs=1e-12))
     mean, half = sides['static', 'mha']['diff']
