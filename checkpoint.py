@@ -132,6 +132,15 @@ def why(e):
 # ---------------------------------------------------------------------------------------------
 # A run's model, device and precision
 
+def check_run_settings(cfg):
+    """The settings every script that runs a model checks alike: out_dir names a folder (several,
+    comma-separated, for a plot), and the seed is one torch and numpy both take."""
+    if not [d for d in cfg['out_dir'].split(',') if d.strip()]:
+        die(f"out_dir={cfg['out_dir']!r} names no folder")
+    if not 0 <= cfg['seed'] < 2**32:   # torch.manual_seed takes seed + rank, numpy up to 2**32 - 1
+        die(f"seed={cfg['seed']} must be a whole number from 0 to 2**32 - 1")
+
+
 def from_checkpoint(ckpt, cfg, given, keep=('mode', 'init_from', 'out_dir')):
     """The run's saved settings, overridden by those given now (and by keep, which are never
     taken from a checkpoint); model fields too, as long as the weights still fit (say

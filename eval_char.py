@@ -25,8 +25,8 @@ import sys
 
 import torch
 
-from checkpoint import (autocast_for, build_model, check_kernel, from_checkpoint, load_checkpoint, pick_device,
-                        read_jsonl, why)
+from checkpoint import (autocast_for, build_model, check_kernel, check_run_settings, from_checkpoint, load_checkpoint,
+                        pick_device, read_jsonl, why)
 from configurator import configure, die
 from damcha_torch import GPTConfig
 from data.prepare import check_lengths, decode, encode, load_dataset, split_loss
@@ -141,10 +141,7 @@ def plot(cfg, given):
 
 def main(argv):
     cfg, given = configure(DEFAULTS, argv, CHOICES, POSITIVE, NON_NEGATIVE, doc=__doc__)
-    if not [d for d in cfg['out_dir'].split(',') if d.strip()]:
-        die(f"out_dir={cfg['out_dir']!r} names no folder")
-    if not 0 <= cfg['seed'] < 2**32:
-        die(f"seed={cfg['seed']} must be a whole number from 0 to 2**32 - 1")
+    check_run_settings(cfg)
     try:
         dict(eval=evaluate, sample=sample, plot=plot)[cfg['mode']](cfg, given)
     except OSError as e:   # an unwritable plot_file, a full disk: the system's own one-line reason

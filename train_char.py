@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (HELD, append_jsonl, autocast_for, build_model, check_kernel, from_checkpoint, load_checkpoint,
-                        lock_out_dir, model_config, pick_device, read_jsonl, why)
+from checkpoint import (HELD, append_jsonl, autocast_for, build_model, check_kernel, check_run_settings, from_checkpoint,
+                        load_checkpoint, lock_out_dir, model_config, pick_device, read_jsonl, why)
 from configurator import configure, die
 from damcha_torch import GPT, GPTConfig, get_lr
 from data.prepare import atomic_write, check_lengths, decode, draw_rows, encode, get_batch, load_dataset
@@ -106,13 +106,10 @@ def parse_config(argv):
         cfg['out_dir'] = cfg['out_dir'].format(**cfg)
     except (KeyError, IndexError, ValueError) as e:
         die(f"out_dir={cfg['out_dir']!r}: braces must hold a setting's name, as in out-enwik8-{{attn}} ({e!r})")
-    if not [d for d in cfg['out_dir'].split(',') if d.strip()]:
-        die(f"out_dir={cfg['out_dir']!r} names no folder")
+    check_run_settings(cfg)
     for key in ('beta1', 'beta2'):   # Adam's moment decay rates
         if not 0 <= cfg[key] < 1:
             die(f"{key}={cfg[key]} must be at least 0 and below 1, e.g. 0.9")
-    if not 0 <= cfg['seed'] < 2**32:   # torch.manual_seed takes seed + rank, numpy up to 2**32 - 1
-        die(f"seed={cfg['seed']} must be a whole number from 0 to 2**32 - 1")
     return cfg, given
 
 
