@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import damcha_numpy
-from common import rel_err
+from common import MetricSizedOutputs, rel_err
 from damcha_torch import GPT, GPTConfig, MetricGenerator, rowsum
 from spec_reference import reference_forward, reference_random_params
 
@@ -207,21 +207,6 @@ def test_full_output_never_builds_M():
         _, loss = model(idx, idx)
         loss.backward()
     assert mode.largest < 4 * 16 * 16 * 16 / 2
-
-
-class MetricSizedOutputs(TorchDispatchMode):
-    """Records the name of every operation whose output has `numel` entries."""
-
-    def __init__(self, numel):
-        super().__init__()
-        self.numel, self.ops = numel, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.numel() == self.numel:
-                self.ops.append(func.overloadpacket.__name__)
-        return out
 
 
 def test_shared_metric_gradient_is_elementwise():

@@ -26,7 +26,6 @@ import sys
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 # the interpreter must be chosen before damcha_triton defines its kernels, hence the late imports
 if not torch.cuda.is_available():
@@ -36,7 +35,7 @@ pytest.importorskip("triton")
 import damcha_numpy
 import damcha_triton
 from bench_triton_gpu import make_inputs, torch_path
-from common import rel_err
+from common import MetricSizedOutputs, rel_err
 from damcha_torch import GPT, GPTConfig
 from damcha_triton import damcha_attention
 from spec_reference import reference_forward, reference_random_params
@@ -173,21 +172,6 @@ def test_backward_op_returns_dq_not_dm():
         o, lse, q = damcha_triton._attention(x, m, v)
         outputs = torch.ops.damcha.attention_backward(do, x, m, v, o, lse, q)
         assert all(t.shape == x.shape and t.stride() == x.stride() and t.dtype == x.dtype for t in outputs)
-
-
-class MetricSizedOutputs(TorchDispatchMode):
-    """Records the name of every operation whose output has `numel` entries."""
-
-    def __init__(self, numel):
-        super().__init__()
-        self.numel, self.ops = numel, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.numel() == self.numel:
-                self.ops.append(func.overloadpacket.__name__)
-        return out
 
 
 def test_shared_metric_gradient_is_elementwise():
