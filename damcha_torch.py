@@ -265,7 +265,8 @@ class CausalSelfAttention(nn.Module):
             # (state) keeps the torch path too
             if self.config.kernel == "triton" and state is None and m.dim() == 5:
                 from damcha_triton import damcha_attention           # imports triton only when asked
-                # Eqs. 5-7 in one kernel: each query q_i = x_i m_i is formed on chip, never stored
+                # Eqs. 5-7 in one kernel: each query q_i = x_i m_i is formed on chip from its tile of m,
+                # and the (B, H, T, T) scores never reach memory
                 y = damcha_attention(x.transpose(1, 2), m, v)                              # (B, H, T, dh)
                 return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, D)))
             # Eq. 5: q_i = x_i m_i, a (1 x dh)(dh x dh) product per head and position, m (B, T, H, dh, dh),
@@ -273,10 +274,8 @@ class CausalSelfAttention(nn.Module):
             # measured 10% faster for a whole training step on the CPU. Per-token m goes through
             # MetricQuery, for the memory of the compiled backward; x takes m's dtype, as autocast's
             # matmul would cast it
-            if m.dim() == 5:
-                q = MetricQuery.apply(x.to(m.dtype), m).transpose(1, 2)  # (B, H, T, dh)
-            else:
-                q = (x.unsqueeze(-2) @ m).squeeze(-2).transpose(1, 2)   # (B, H, T, dh)
+            q = MetricQuery.apply(x.to(m.dtype), m) if m.dim() == 5 else (x.unsqueeze(-2) @ m).squeeze(-2)
+            q = q.transpose(1, 2)                                    # (B, H, T, dh)
             k = xk.transpose(1, 2)                                   # slice: the keys are the x_i themselves; proj: (u W_k)_i
         k, v = extend_cache(state, k, v)                             # (B, H, S, dh), S = t + T
         # Eqs. 5-7: softmax(q k^T / sqrt(dh)) v over s <= t. With a cache the T new queries are the
