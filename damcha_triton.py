@@ -51,9 +51,12 @@ M_STAGES = tl.constexpr(3)    # loads of m in flight in the loops over its rows 
 # Autotuning. Each kernel tries a few tiles and warp counts per (dh, T, dtype) on its first launch
 # and keeps the fastest. 16-bit tiles are larger: their dots run on the tensor cores and their
 # tiles take half the registers. The float32 dots in IEEE mode run on the CUDA cores with about
-# twice the registers: float32 is for checking, not speed. tests/test_sm90_compile.py compiles every
-# config kept here for sm_90 and checks that none spills registers in 16-bit. Under the interpreter,
-# one config, with blocks of 16 so that small tests cross several blocks.
+# twice the registers: float32 is for checking, not speed. Their operands are held whole along dh,
+# so in the backward's dq kernel only 16-row blocks over 8 warps fit the registers at dh = 64
+# (none does at dh = 128). tests/test_sm90_compile.py compiles every config kept here for sm_90
+# and checks that none spills registers in 16-bit and that every float32 kernel has one config that
+# does not spill at dh = 64. Under the interpreter, one config, with blocks of 16 so that small
+# tests cross several blocks.
 
 def _configs(*options):
     if INTERPRETED:
@@ -79,7 +82,7 @@ def _autotune(*options):
 
 # (BLOCK, num_warps, num_stages): 16-bit first, then float32
 FWD_CONFIGS = ((64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 8, 2), (16, 4, 2))
-BWD_CONFIGS = ((64, 4, 3), (64, 8, 2), (32, 8, 2), (16, 4, 2))
+BWD_CONFIGS = ((64, 4, 3), (64, 8, 2), (32, 8, 2), (16, 4, 2), (16, 8, 2))
 
 
 # ----------------------------------------------------------------------------------------------

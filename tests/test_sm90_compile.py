@@ -16,8 +16,8 @@ H = 12: same strides, hence the same specialisation), for every autotuning confi
 
 The matrix: every kernel (the forward and _bwd_dq for per-token and static metrics, _bwd_prep,
 _bwd_dkdv), at dh in {16, 32, 64, 128}, in bfloat16; float16 and float32 at dh = 64 (float16
-compiles to the same code as bfloat16 bar the conversions; float32 spills are reported, not
-refused). DAMCHA_SM90_FULL=1 adds float16 and float32 at every dh. The compiles run in a child
+compiles to the same code as bfloat16 bar the conversions; float32 may spill in some configs,
+but at dh = 64 every kernel must have one config that does not). DAMCHA_SM90_FULL=1 adds float16 and float32 at every dh. The compiles run in a child
 process: pytest's process may already have chosen Triton's interpreter (tests/test_triton.py does),
 and the stand-in driver must not leak into other tests. Skipped only when Triton's ptxas or
 cuobjdump is missing.
@@ -162,6 +162,11 @@ def test_every_kernel_compiles_for_sm90_without_16bit_spills(tmp_path):
         assert r["reg"] > 0 and r["smem"] <= 227 * 1024, r              # sm_90: 227 KiB of shared memory a block
         if r["dtype"] != "float32":
             assert r["stack"] == 0 and r["local"] == 0, f"register spills: {r}"
+    # float32 may spill in some configs (autotuning times them all), but at the model's dh = 64
+    # each kernel must have one that does not
+    for kernel in kernels:
+        fp32 = [r for r in rows if r["kernel"] == kernel and (r["dtype"], r["dh"]) == ("float32", 64)]
+        assert any(r["stack"] == 0 and r["local"] == 0 for r in fp32), f"every float32 config spills: {fp32}"
 
 
 if __name__ == "__main__":
