@@ -7,6 +7,9 @@ minutes on one H200 (each section stops early at its time budget and says what i
     python bench_triton_gpu.py --smoke      # tiny shapes on the CPU through Triton's interpreter:
                                             # checks that the script runs, measures nothing useful
     python bench_triton_gpu.py --n_layer=4 --train_configs=config/enwik8.py,config/damcha.py
+    python bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --batch_size=32   # model rows alone
+    python bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --profile=True \
+        --n_embd=512 --n_head=8 --block_size=512 --batch_size=32    # the shipped GPU config's shape, profiled
 
 Rows (kind=...), in order:
   setup   device, versions, peaks used for bandwidth and MFU.
@@ -20,9 +23,13 @@ Rows (kind=...), in order:
           (triton.testing.do_bench: CUDA events, median), the forward's effective bandwidth on m
           (bytes of m / forward time) against the device's peak, ratios to the torch path.
   model   one training step (forward, backward, fused AdamW; bf16 autocast as train_char.py) of
-          the GPT at B=8, T=1024, D=768, H=12: MHA, DAMCHA on the torch path and on Triton (its
-          generator width giving MHA's parameter count), eager and torch.compile'd: ms per step,
-          tokens/s, MFU, peak memory; then the bf16 gradient agreement of the two DAMCHA paths.
+          the GPT at B=8, T=1024, D=768, H=12 (--batch_size, --block_size, --n_embd, --n_head,
+          --n_layer): MHA, DAMCHA on the torch path and on Triton (its generator width giving
+          MHA's parameter count), eager and torch.compile'd: ms per step, tokens/s, MFU, peak
+          memory; then the bf16 gradient agreement of the two DAMCHA paths.
+  profile with --profile=True, after each model row: one step under torch.profiler, its total
+          device time and the kernels that took most of it (CPU time on a CPU), to say where
+          one path's step is slower than another's.
   train   `python train_char.py <train_configs> --max_iters=30` on the bundled Shakespeare
           (compile on, bf16), on the torch path and with --kernel=triton: exit status, wall time
           and the last loss line.
@@ -46,7 +53,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 METRICS = {"per_token": False, "static": True}
 DEFAULTS = dict(
     smoke=False,                  # tiny shapes on the CPU, Triton's interpreter
-    n_layer=12,                   # layers of the GPT in the model rows
+    n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=8,   # the GPT of the model rows
+    profile=False,                # profile one step of each model row
     train_configs='config/enwik8.py,config/damcha.py',   # comma-separated config files for the train rows
     train_iters=30,
     budget_check=70, budget_op=50, budget_model=150, budget_train=70,   # seconds per section
@@ -189,7 +197,23 @@ def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
                      peak_mib=peak_mib(lambda: forward_backward(ops[impl], x, m, v, do)))
 
 
-def model_rows(fields, B, peak_flops, budget):
+def profile_step(step, top=8):
+    """One step under torch.profiler: total device ms (CPU ms on a CPU) and the `top` kernels by
+    their own time, as [name, ms, calls]."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    return dict(total_ms=round(sum(getattr(e, key) for e in events) / 1e3, 3),
+                top=[[e.key[:80], round(getattr(e, key) / 1e3, 3), e.count] for e in events[:top]])
+
+
+def model_rows(fields, B, peak_flops, budget, profile=False):
     mha = dict(fields, attn="mha")
     damcha = dict(fields, gen_width=equal_params_width(count_params(mha), fields))
     variants = {"mha": mha, "damcha/torch": dict(damcha, kernel="torch"), "damcha/triton": dict(damcha, kernel="triton")}
@@ -223,6 +247,8 @@ def model_rows(fields, B, peak_flops, budget):
             emit(**row, ms_per_step=round(ms, 2), tokens_per_s=round(tokens / ms * 1e3),
                  mfu=None if peak_flops is None else round(flops / peak_flops, 3),
                  peak_mib=peak_mib(step), first_step_s=round(first_s, 1))
+            if profile:
+                emit(kind="profile", name=name, compiled=compiled, B=B, **profile_step(step))
             del model, optimizer, run
     if budget.over():
         return emit(kind="model", name="grad_agreement", skipped="time budget")
@@ -268,7 +294,7 @@ def train_rows(config_files, iters, smoke, budget):
 
 
 def main(argv):
-    cfg, _ = configure(DEFAULTS, argv, positive=("n_layer", "train_iters"), doc=__doc__)
+    cfg, _ = configure(DEFAULTS, argv, positive=("n_layer", "n_head", "n_embd", "block_size", "batch_size", "train_iters"), doc=__doc__)
     smoke = cfg["smoke"]
     if DEVICE == "cpu" and not smoke:
         die("no CUDA GPU: run with --smoke to check the script on the CPU")
@@ -297,14 +323,14 @@ def main(argv):
         check_shapes = [(1, 4, 1000, 8), (1, 4, 1023, 16), (1, 4, 777, 48), (1, 4, 1000, 64), (1, 4, 1023, 128)]
         dtypes = [torch.float32, torch.bfloat16]
         op_shape = (8, 12, 1024, 64)
-        fields = dict(vocab_size=65, block_size=1024, n_layer=cfg["n_layer"], n_head=12, n_embd=768)
-        B = 8
+        fields = dict(vocab_size=65, **{k: cfg[k] for k in ("block_size", "n_layer", "n_head", "n_embd")})
+        B = cfg["batch_size"]
     budget = Budget(cfg["budget_check"])
     if not smoke:
         check_large_offsets(damcha_attention, budget)
     checks(damcha_attention, check_shapes, dtypes, budget)
     op_rows({"torch": torch_path, "triton": damcha_attention}, op_shape, dtypes, peak_bandwidth, Budget(cfg["budget_op"]))
-    model_rows(fields, B, peak_flops, Budget(cfg["budget_model"]))
+    model_rows(fields, B, peak_flops, Budget(cfg["budget_model"]), cfg["profile"])
     train_rows(cfg["train_configs"].split(","), 2 if smoke else cfg["train_iters"], smoke,
                Budget(3 * cfg["budget_train"] if smoke else cfg["budget_train"]))     # the CPU is slower
     emit(kind="done", wall_s=round(time.time() - t0, 1))

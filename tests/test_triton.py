@@ -234,10 +234,10 @@ def test_torch_compile_traces_through_the_op():
 
 
 def test_bench_triton_gpu_smoke():
-    """python bench_triton_gpu.py --smoke: every section runs and prints JSON rows; its checks
-    pass and its train_char.py run with --kernel=triton exits 0."""
+    """python bench_triton_gpu.py --smoke --profile=True: every section runs and prints JSON rows;
+    its checks pass, each model row is profiled, and its train_char.py run with --kernel=triton exits 0."""
     root = os.path.dirname(damcha_triton.__file__)
-    done = subprocess.run([sys.executable, "bench_triton_gpu.py", "--smoke"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "bench_triton_gpu.py", "--smoke", "--profile=True"], capture_output=True, text=True,
                           cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
@@ -246,6 +246,10 @@ def test_bench_triton_gpu_smoke():
     assert all(row["ok"] for row in rows if row["kind"] == "check")
     assert all(row["fwd_ms"] > 0 for row in rows if row["kind"] == "op")
     assert [row["rc"] for row in rows if row["kind"] == "train"] == [0]
+    profiled = [row for row in rows if row["kind"] == "profile"]
+    timed = [row for row in rows if row["kind"] == "model" and "ms_per_step" in row]
+    assert [row["name"] for row in profiled] == [row["name"] for row in timed] and timed
+    assert all(row["total_ms"] >= row["top"][0][1] > 0 for row in profiled)
     agreement = next(row for row in rows if row.get("name") == "grad_agreement")
     assert agreement["max_rel_err"] < GRAD_TOL
 
