@@ -213,50 +213,60 @@ def profile_step(step, top=8):
                 top=[[e.key[:80], round(getattr(e, key) / 1e3, 3), e.count] for e in events[:top]])
 
 
+def autocast():
+    """bf16 autocast on a GPU, as train_char.py trains; float32 on a CPU."""
+    return torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda")
+
+
+def step_row(variant, idx, compiled, peak_flops, profile):
+    """Time one training step of GPT(variant) on the batch idx; with profile, also profile one."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**variant)).to(DEVICE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
+    run = torch.compile(model) if compiled else model
+
+    def step():
+        with autocast():
+            _, loss = run(idx, idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    start = time.time()
+    step()                                               # compiles, if compiled
+    first_s = time.time() - start
+    ms = time_ms(step)
+    tokens = idx.numel()
+    flops = model.flops_per_token() * tokens / (ms / 1e3)
+    row = dict(ms_per_step=round(ms, 2), tokens_per_s=round(tokens / ms * 1e3),
+               mfu=None if peak_flops is None else round(flops / peak_flops, 3),
+               peak_mib=peak_mib(step), first_step_s=round(first_s, 1))
+    return row, profile_step(step) if profile else None
+
+
 def model_rows(fields, B, peak_flops, budget, profile=False):
     mha = dict(fields, attn="mha")
     damcha = dict(fields, gen_width=equal_params_width(count_params(mha), fields))
     variants = {"mha": mha, "damcha/torch": dict(damcha, kernel="torch"), "damcha/triton": dict(damcha, kernel="triton")}
     idx = torch.randint(fields["vocab_size"], (B, fields["block_size"]), generator=torch.Generator().manual_seed(0))
     idx = idx.to(DEVICE)
-    autocast = torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda")
     for compiled in (False, True):
         for name, variant in variants.items():
             row = dict(kind="model", name=name, compiled=compiled, B=B, params=count_params(variant), **fields)
             if budget.over() or (compiled and DEVICE != "cuda"):
                 emit(**row, skipped="time budget" if DEVICE == "cuda" else "no GPU")
                 continue
-            torch.manual_seed(0)
-            model = GPT(GPTConfig(**variant)).to(DEVICE)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
-            run = torch.compile(model) if compiled else model
-
-            def step():
-                with autocast:
-                    _, loss = run(idx, idx)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            start = time.time()
-            step()                                               # compiles, if compiled
-            first_s = time.time() - start
-            ms = time_ms(step)
-            tokens = B * fields["block_size"]
-            flops = model.flops_per_token() * tokens / (ms / 1e3)
-            emit(**row, ms_per_step=round(ms, 2), tokens_per_s=round(tokens / ms * 1e3),
-                 mfu=None if peak_flops is None else round(flops / peak_flops, 3),
-                 peak_mib=peak_mib(step), first_step_s=round(first_s, 1))
-            if profile:
-                emit(kind="profile", name=name, compiled=compiled, B=B, **profile_step(step))
-            del model, optimizer, run
+            timing, profiled = step_row(variant, idx, compiled, peak_flops, profile)
+            emit(**row, **timing)
+            if profiled:
+                emit(kind="profile", name=name, compiled=compiled, B=B, **profiled)
     if budget.over():
         return emit(kind="model", name="grad_agreement", skipped="time budget")
     grads = {}
     for kernel in ("torch", "triton"):
         torch.manual_seed(0)
         model = GPT(GPTConfig(**dict(damcha, kernel=kernel))).to(DEVICE)
-        with autocast:
+        with autocast():
             _, loss = model(idx, idx)
         loss.backward()
         grads[kernel] = {n: p.grad for n, p in model.named_parameters()}
