@@ -1,7 +1,8 @@
 """
 bench_triton_gpu.py: the one-shot GPU check of the Triton DAMCHA attention (damcha_triton.py):
 correctness, speed and memory against the torch path, one JSON line per measurement, in under 6
-minutes on one H200 (each section stops early at its time budget and says what it skipped).
+minutes on one H200 with the default flags (each section stops starting rows at its time budget
+and says what it skipped; a row already started runs to its end).
 
     python bench_triton_gpu.py              # one CUDA GPU
     python bench_triton_gpu.py --smoke      # tiny shapes on the CPU through Triton's interpreter:
@@ -9,7 +10,7 @@ minutes on one H200 (each section stops early at its time budget and says what i
     python bench_triton_gpu.py --n_layer=4 --train_configs=config/enwik8.py,config/damcha.py
     python bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --batch_size=32   # model rows alone
     python bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --profile=True \
-        --n_embd=512 --n_head=8 --block_size=512 --batch_size=32    # the shipped GPU config's shape, profiled
+        --n_embd=512 --n_head=8 --block_size=512 --batch_size=32 --gen_out=folded   # the shipped GPU model, profiled
 
 Rows (kind=...), in order:
   setup   device, versions, peaks used for bandwidth and MFU.
@@ -24,8 +25,8 @@ Rows (kind=...), in order:
           (bytes of m / forward time) against the device's peak, ratios to the torch path.
   model   one training step (forward, backward, fused AdamW; bf16 autocast as train_char.py) of
           the GPT at B=8, T=1024, D=768, H=12 (--batch_size, --block_size, --n_embd, --n_head,
-          --n_layer): MHA, DAMCHA on the torch path and on Triton (its generator width giving
-          MHA's parameter count), eager and torch.compile'd: ms per step, tokens/s, MFU, peak
+          --n_layer, and DAMCHA's --gen_out): MHA, DAMCHA on the torch path and on Triton (its
+          generator width giving MHA's parameter count), eager and torch.compile'd: ms per step, tokens/s, MFU, peak
           memory; then the bf16 gradient agreement of the two DAMCHA paths.
   profile with --profile=True, after each model row: one step under torch.profiler, its total
           device time and the kernels that took most of it (CPU time on a CPU), to say where
@@ -54,6 +55,7 @@ METRICS = {"per_token": False, "static": True}
 DEFAULTS = dict(
     smoke=False,                  # tiny shapes on the CPU, Triton's interpreter
     n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=8,   # the GPT of the model rows
+    gen_out='full',               # DAMCHA's generator output in the model rows (the shipped configs: folded)
     profile=False,                # profile one step of each model row
     train_configs='config/enwik8.py,config/damcha.py',   # comma-separated config files for the train rows
     train_iters=30,
@@ -199,15 +201,19 @@ def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
 
 def profile_step(step, top=8):
     """One step under torch.profiler: total device ms (CPU ms on a CPU) and the `top` kernels by
-    their own time, as [name, ms, calls]."""
+    their own time, as [name, ms, calls]. On a GPU only the kernels count: the profiler also files
+    each kernel's time under the op that launched it and under annotations such as the optimizer
+    step, which would count it twice."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
-    key = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    device, key = (DeviceType.CUDA, "self_device_time_total") if DEVICE == "cuda" else (DeviceType.CPU, "self_cpu_time_total")
+    events = [e for e in prof.key_averages()
+              if e.device_type == device and not e.is_user_annotation and getattr(e, key) > 0]
     events.sort(key=lambda e: getattr(e, key), reverse=True)
     return dict(total_ms=round(sum(getattr(e, key) for e in events) / 1e3, 3),
                 top=[[e.key[:80], round(getattr(e, key) / 1e3, 3), e.count] for e in events[:top]])
@@ -244,15 +250,16 @@ def step_row(variant, idx, compiled, peak_flops, profile):
     return row, profile_step(step) if profile else None
 
 
-def model_rows(fields, B, peak_flops, budget, profile=False):
+def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
     mha = dict(fields, attn="mha")
-    damcha = dict(fields, gen_width=equal_params_width(count_params(mha), fields))
+    damcha = dict(fields, gen_out=gen_out)
+    damcha["gen_width"] = equal_params_width(count_params(mha), damcha)
     variants = {"mha": mha, "damcha/torch": dict(damcha, kernel="torch"), "damcha/triton": dict(damcha, kernel="triton")}
     idx = torch.randint(fields["vocab_size"], (B, fields["block_size"]), generator=torch.Generator().manual_seed(0))
     idx = idx.to(DEVICE)
     for compiled in (False, True):
         for name, variant in variants.items():
-            row = dict(kind="model", name=name, compiled=compiled, B=B, params=count_params(variant), **fields)
+            row = dict(kind="model", name=name, compiled=compiled, B=B, params=count_params(variant), **variant)
             if budget.over() or (compiled and DEVICE != "cuda"):
                 emit(**row, skipped="time budget" if DEVICE == "cuda" else "no GPU")
                 continue
@@ -304,7 +311,8 @@ def train_rows(config_files, iters, smoke, budget):
 
 
 def main(argv):
-    cfg, _ = configure(DEFAULTS, argv, positive=("n_layer", "n_head", "n_embd", "block_size", "batch_size", "train_iters"), doc=__doc__)
+    cfg, _ = configure(DEFAULTS, argv, choices={"gen_out": ("full", "folded")},
+                       positive=("n_layer", "n_head", "n_embd", "block_size", "batch_size", "train_iters"), doc=__doc__)
     smoke = cfg["smoke"]
     if DEVICE == "cpu" and not smoke:
         die("no CUDA GPU: run with --smoke to check the script on the CPU")
@@ -340,7 +348,7 @@ def main(argv):
         check_large_offsets(damcha_attention, budget)
     checks(damcha_attention, check_shapes, dtypes, budget)
     op_rows({"torch": torch_path, "triton": damcha_attention}, op_shape, dtypes, peak_bandwidth, Budget(cfg["budget_op"]))
-    model_rows(fields, B, peak_flops, Budget(cfg["budget_model"]), cfg["profile"])
+    model_rows(fields, B, peak_flops, Budget(cfg["budget_model"]), cfg["gen_out"], cfg["profile"])
     train_rows(cfg["train_configs"].split(","), 2 if smoke else cfg["train_iters"], smoke,
                Budget(3 * cfg["budget_train"] if smoke else cfg["budget_train"]))     # the CPU is slower
     emit(kind="done", wall_s=round(time.time() - t0, 1))

@@ -139,7 +139,7 @@ def table(rows):
     return "\n".join(lines)
 
 
-def test_every_kernel_compiles_for_sm90_without_16bit_spills(tmp_path):
+def test_every_kernel_compiles_for_sm90_and_fits_the_registers(tmp_path):
     reason = tools_missing()
     if reason:
         pytest.skip(reason)
@@ -162,8 +162,8 @@ def test_every_kernel_compiles_for_sm90_without_16bit_spills(tmp_path):
         assert r["reg"] > 0 and r["smem"] <= 227 * 1024, r              # sm_90: 227 KiB of shared memory a block
         if r["dtype"] != "float32":
             assert r["stack"] == 0 and r["local"] == 0, f"register spills: {r}"
-    # float32 may spill in some configs (autotuning times them all), but at the model's dh = 64
-    # each kernel must have one that does not
+    # float32 may spill in some configs, and autotuning keeps whichever runs fastest, spilling or
+    # not; but at the model's dh = 64 each kernel must have a config that does not spill
     for kernel in kernels:
         fp32 = [r for r in rows if r["kernel"] == kernel and (r["dtype"], r["dh"]) == ("float32", 64)]
         assert any(r["stack"] == 0 and r["local"] == 0 for r in fp32), f"every float32 config spills: {fp32}"
