@@ -26,8 +26,8 @@ Rows (kind=...), in order:
   model   one training step (forward, backward, fused AdamW; bf16 autocast as train_char.py) of
           the GPT at B=8, T=1024, D=768, H=12 (--batch_size, --block_size, --n_embd, --n_head,
           --n_layer, and DAMCHA's --gen_out): MHA, DAMCHA on the torch path and on Triton (its
-          generator width giving MHA's parameter count), eager and torch.compile'd: ms per step, tokens/s, MFU, peak
-          memory; then the bf16 gradient agreement of the two DAMCHA paths.
+          generator width giving MHA's parameter count), eager and torch.compile'd: ms per step,
+          tokens/s, MFU, peak memory; then the bf16 gradient agreement of the two DAMCHA paths.
   profile with --profile=True, after each model row: one step under torch.profiler, its total
           device time and the kernels that took most of it (CPU time on a CPU), to say where
           one path's step is slower than another's.

@@ -237,8 +237,8 @@ def test_bench_triton_gpu_smoke():
     """python bench_triton_gpu.py --smoke --profile=True: every section runs and prints JSON rows;
     its checks pass, each model row is profiled, and its train_char.py run with --kernel=triton exits 0."""
     root = os.path.dirname(damcha_triton.__file__)
-    done = subprocess.run([sys.executable, "bench_triton_gpu.py", "--smoke", "--profile=True"], capture_output=True, text=True,
-                          cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+    done = subprocess.run([sys.executable, "bench_triton_gpu.py", "--smoke", "--profile=True"], capture_output=True,
+                          text=True, cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     kinds = [row["kind"] for row in rows]
