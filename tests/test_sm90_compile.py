@@ -18,9 +18,9 @@ The matrix: every kernel (the forward and _bwd_dq for per-token and static metri
 _bwd_dkdv), at dh in {16, 32, 64, 128}, in bfloat16; float16 and float32 at dh = 64 (float16
 compiles to the same code as bfloat16 bar the conversions; float32 may spill in some configs,
 but at dh = 64 every kernel must have one config that does not). DAMCHA_SM90_FULL=1 adds float16
-and float32 at every dh. The compiles run in a child process: pytest's process may already have chosen Triton's interpreter (tests/test_triton.py does),
-and the stand-in driver must not leak into other tests. Skipped only when Triton's ptxas or
-cuobjdump is missing.
+and float32 at every dh. The compiles run in a child process: pytest's process may already have
+chosen Triton's interpreter (tests/test_triton.py does), and the stand-in driver must not leak into
+other tests. Skipped only when Triton's ptxas or cuobjdump is missing.
 """
 import json
 import os
