@@ -9,26 +9,29 @@ and says what it skipped; a row already started runs to its end).
                                             # checks that the script runs, measures nothing useful
     python bench_triton_gpu.py --n_layer=4 --train_configs=config/enwik8.py,config/damcha.py
     python bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --batch_size=32   # model rows alone
-    python bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --profile=True \
-        --n_embd=512 --n_head=8 --block_size=512 --batch_size=32 --gen_out=folded   # the shipped GPU model, profiled
+    python bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 \
+        --n_embd=512 --n_head=8 --block_size=512 --batch_size=32 --gen_out=folded   # the shipped GPU model
 
 Rows (kind=...), in order:
   setup   device, versions, peaks used for bandwidth and MFU.
-  check   the op's output and gradients (o, dx, dm, dv) in float32 and bfloat16, per-token and
+  check   the op's output and gradients (o, dx, dm, dv) in bfloat16 and float32, per-token and
           static metrics, at odd T (1000, 1023, 777) and dh in {8, 16, 48, 64, 128}: the relative
           error (max |a - b| / max |b|) of the kernels and of the torch path (einsum + SDPA)
           against float64, and ok by tests/test_triton.py's bar (float32: 1e-4 forward, 1e-3
           gradients; 16-bit: no worse than twice the torch path plus 1e-3). One row checks
           offsets past 2^31 (T = 8192, H = 24, dh = 128).
   op      the op alone at B=8, H=12, T=1024, dh=64: forward and forward + backward in ms
-          (triton.testing.do_bench: CUDA events, median), the forward's effective bandwidth on m
-          (bytes of m / forward time) against the device's peak, ratios to the torch path.
+          (triton.testing.do_bench: CUDA events, median) of the kernels, of the torch path and of
+          the torch path compiled (torch_compiled: q = x m as inductor fuses it, as in a compiled
+          model), ratios to the torch path; with per-token metrics, the forward's effective
+          bandwidth on m (bytes of m / forward time) against the device's peak and against a plain
+          read of m (impl=read_m: a sum over m, the most a single read of m reaches).
   model   one training step (forward, backward, fused AdamW; bf16 autocast as train_char.py) of
           the GPT at B=8, T=1024, D=768, H=12 (--batch_size, --block_size, --n_embd, --n_head,
           --n_layer, and DAMCHA's --gen_out): MHA, DAMCHA on the torch path and on Triton (its
           generator width giving MHA's parameter count), eager and torch.compile'd: ms per step,
           tokens/s, MFU, peak memory; then the bf16 gradient agreement of the two DAMCHA paths.
-  profile with --profile=True, after each model row: one step under torch.profiler, its total
+  profile after each model row (--profile=False: none): one step under torch.profiler, its total
           device time and the kernels that took most of it (CPU time on a CPU), to say where
           one path's step is slower than another's.
   train   `python train_char.py <train_configs> --max_iters=30` on the bundled Shakespeare
@@ -56,23 +59,24 @@ DEFAULTS = dict(
     smoke=False,                  # tiny shapes on the CPU, Triton's interpreter
     n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=8,   # the GPT of the model rows
     gen_out='full',               # DAMCHA's generator output in the model rows (the shipped configs: folded)
-    profile=False,                # profile one step of each model row
+    profile=True,                 # profile one step of each model row
     train_configs='config/enwik8.py,config/damcha.py',   # comma-separated config files for the train rows
     train_iters=30,
-    budget_check=70, budget_op=50, budget_model=150, budget_train=70,   # seconds per section
+    budget_check=100, budget_op=60, budget_model=110, budget_train=70,   # seconds per section
 )
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # dense, per device name
 
 
-def make_inputs(B, H, T, dh, static, seed=0, dtype=torch.float32, device=DEVICE):
+def make_inputs(B, H, T, dh, static, seed=0, dtype=torch.float32, device=DEVICE, draw_on="cpu"):
     """x, m, v as the model produces them: x and v are (B, T, H, dh) tensors seen as (B, H, T, dh);
     m (B, T, H, dh, dh) or (H, dh, dh), scaled so that the scores are O(1). Plus an output
-    gradient dO (B, H, T, dh). Drawn on the CPU, so the same on every device; none requires grad."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, T, H, dh, generator=g).transpose(1, 2)
-    m = torch.randn(*((H,) if static else (B, T, H)), dh, dh, generator=g) / dh ** 0.5
-    v = torch.randn(B, T, H, dh, generator=g).transpose(1, 2)
-    do = torch.randn(B, H, T, dh, generator=g)
+    gradient dO (B, H, T, dh). Drawn on the CPU by default, so the same on every device;
+    draw_on=device draws there, for inputs too large to draw quickly on a CPU. None requires grad."""
+    g = torch.Generator(draw_on).manual_seed(seed)
+    x = torch.randn(B, T, H, dh, generator=g, device=draw_on).transpose(1, 2)
+    m = torch.randn(*((H,) if static else (B, T, H)), dh, dh, generator=g, device=draw_on).div_(dh ** 0.5)
+    v = torch.randn(B, T, H, dh, generator=g, device=draw_on).transpose(1, 2)
+    do = torch.randn(B, H, T, dh, generator=g, device=draw_on)
     return [t.to(device=device, dtype=dtype) for t in (x, m, v, do)]
 
 
@@ -161,7 +165,7 @@ def check_large_offsets(op, budget):
     row = dict(kind="check", dtype="bfloat16", metric="per_token", B=B, H=H, T=T, dh=dh, offsets_past_2_31=True)
     if budget.over():
         return emit(**row, skipped="time budget")
-    x, m, v, _ = make_inputs(B, H, T, dh, static=False, dtype=torch.bfloat16)
+    x, m, v, _ = make_inputs(B, H, T, dh, static=False, dtype=torch.bfloat16, draw_on=DEVICE)   # m: 6.4 GB
     do = torch.zeros_like(x)
     do[:, :, -R:] = torch.randn(B, H, R, dh, generator=torch.Generator().manual_seed(5)).to(do)
     o, _, dm, _ = forward_backward(op, x, m, v, do)
@@ -183,19 +187,28 @@ def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
                 emit(**row, skipped="time budget")
                 continue
             x, m, v, do = make_inputs(B, H, T, dh, static, dtype=dtype)
+            torch._dynamo.reset()   # torch_compiled compiles afresh: earlier rows' graphs count to the recompile limit
             ms = {}
             for impl, op in ops.items():
                 with torch.no_grad():
                     fwd = time_ms(lambda: op(x, m, v))
                 ms[impl] = fwd, time_ms(lambda: forward_backward(op, x, m, v, do))
             m_bytes = m.numel() * m.element_size()
+            if not static:
+                # the ceiling on m's bandwidth: one plain read of m (a sum), what any op that reads
+                # m once at best approaches on this device
+                read = m_bytes / time_ms(lambda: m.sum(dtype=torch.float32)) * 1e3
+                emit(**row, impl="read_m", m_GBps=round(read / 1e9, 1),
+                     m_bandwidth_vs_peak=None if peak_bandwidth is None else round(read / peak_bandwidth, 3))
             for impl, (fwd, fwd_bwd) in ms.items():
                 bandwidth = m_bytes / fwd * 1e3
                 emit(**row, impl=impl, fwd_ms=round(fwd, 3), fwd_bwd_ms=round(fwd_bwd, 3),
                      fwd_speedup_vs_torch=round(ms["torch"][0] / fwd, 3),
                      fwd_bwd_speedup_vs_torch=round(ms["torch"][1] / fwd_bwd, 3),
-                     m_GBps=round(bandwidth / 1e9, 1),
-                     m_bandwidth_vs_peak=None if peak_bandwidth is None else round(bandwidth / peak_bandwidth, 3),
+                     **({} if static else dict(
+                         m_GBps=round(bandwidth / 1e9, 1),
+                         m_bandwidth_vs_peak=None if peak_bandwidth is None else round(bandwidth / peak_bandwidth, 3),
+                         m_bandwidth_vs_read=round(bandwidth / read, 3))),
                      peak_mib=peak_mib(lambda: forward_backward(ops[impl], x, m, v, do)))
 
 
@@ -339,7 +352,7 @@ def main(argv):
         B = 2
     else:
         check_shapes = [(1, 4, 1000, 8), (1, 4, 1023, 16), (1, 4, 777, 48), (1, 4, 1000, 64), (1, 4, 1023, 128)]
-        dtypes = [torch.float32, torch.bfloat16]
+        dtypes = [torch.bfloat16, torch.float32]       # the training precision first
         op_shape = (8, 12, 1024, 64)
         fields = dict(vocab_size=65, **{k: cfg[k] for k in ("block_size", "n_layer", "n_head", "n_embd")})
         B = cfg["batch_size"]
@@ -347,7 +360,9 @@ def main(argv):
     if not smoke:
         check_large_offsets(damcha_attention, budget)
     checks(damcha_attention, check_shapes, dtypes, budget)
-    op_rows({"torch": torch_path, "triton": damcha_attention}, op_shape, dtypes, peak_bandwidth, Budget(cfg["budget_op"]))
+    # torch_compiled: the torch path as a compiled model runs it, q = x m as inductor generates it
+    ops = {"torch": torch_path, "torch_compiled": torch.compile(torch_path, dynamic=False), "triton": damcha_attention}
+    op_rows(ops, op_shape, dtypes, peak_bandwidth, Budget(cfg["budget_op"]))
     model_rows(fields, B, peak_flops, Budget(cfg["budget_model"]), cfg["gen_out"], cfg["profile"])
     train_rows(cfg["train_configs"].split(","), 2 if smoke else cfg["train_iters"], smoke,
                Budget(3 * cfg["budget_train"] if smoke else cfg["budget_train"]))     # the CPU is slower

@@ -244,7 +244,9 @@ def test_bench_triton_gpu_smoke():
     kinds = [row["kind"] for row in rows]
     assert kinds[0] == "setup" and kinds[-1] == "done" and {"check", "op", "model", "train"} <= set(kinds)
     assert all(row["ok"] for row in rows if row["kind"] == "check")
-    assert all(row["fwd_ms"] > 0 for row in rows if row["kind"] == "op")
+    ops = [row for row in rows if row["kind"] == "op"]
+    assert {row["impl"] for row in ops} == {"read_m", "torch", "torch_compiled", "triton"}
+    assert all(row["m_GBps"] > 0 if row["impl"] == "read_m" else row["fwd_ms"] > 0 for row in ops)
     assert [row["rc"] for row in rows if row["kind"] == "train"] == [0]
     profiled = [row for row in rows if row["kind"] == "profile"]
     timed = [row for row in rows if row["kind"] == "model" and "ms_per_step" in row]
