@@ -25,7 +25,8 @@ Rows (kind=...), in order:
           the torch path compiled (torch_compiled: q = x m as inductor fuses it, as in a compiled
           model), ratios to the torch path; with per-token metrics, the forward's effective
           bandwidth on m (bytes of m / forward time) against the device's peak and against a plain
-          read of m (impl=read_m: a sum over m, the most a single read of m reaches).
+          read of m (impl=read_m: a sum over m, the most a single read of m reaches); the configs
+          autotuning chose for the kernels.
   model   one training step (forward, backward, fused AdamW; bf16 autocast as train_char.py) of
           the GPT at B=8, T=1024, D=768, H=12 (--batch_size, --block_size, --n_embd, --n_head,
           --n_layer, and DAMCHA's --gen_out): MHA, DAMCHA on the torch path and on Triton (its
@@ -178,6 +179,13 @@ def check_large_offsets(op, budget):
     emit(**row, ok=err["o"] < 2e-2 and err["dm"] < 5e-2, err_triton=err)
 
 
+def tuned_configs():
+    """The config autotuning chose for each Triton kernel at its last launch."""
+    import damcha_triton
+    return {k.fn.__name__: str(k.best_config) for k in (damcha_triton._attn_fwd, damcha_triton._bwd_dkdv,
+                                                        damcha_triton._bwd_dq)}
+
+
 def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
     B, H, T, dh = shape
     for dtype in dtypes:
@@ -209,7 +217,8 @@ def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
                          m_GBps=round(bandwidth / 1e9, 1),
                          m_bandwidth_vs_peak=None if peak_bandwidth is None else round(bandwidth / peak_bandwidth, 3),
                          m_bandwidth_vs_read=round(bandwidth / read, 3))),
-                     peak_mib=peak_mib(lambda: forward_backward(ops[impl], x, m, v, do)))
+                     peak_mib=peak_mib(lambda: forward_backward(ops[impl], x, m, v, do)),
+                     **(dict(configs=tuned_configs()) if impl == "triton" else {}))
 
 
 def profile_step(step, top=8):

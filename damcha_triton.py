@@ -44,7 +44,7 @@ import triton.language as tl
 LOG2E = math.log2(math.e)     # the kernels use exp2: exp(s) = exp2(s * log2(e))
 MAX_DH = 128                  # beyond this the (BLOCK, DH) float32 tiles outgrow the registers
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")   # as Triton reads it
-M_STAGES = tl.constexpr(3)    # loads of m in flight in the loops over its rows (software pipelining)
+M_STAGES = 3                  # loads of m in flight in the loops over its rows (software pipelining)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -55,21 +55,36 @@ M_STAGES = tl.constexpr(3)    # loads of m in flight in the loops over its rows 
 # so in the backward's dq kernel only 16-row blocks over 8 warps fit the registers at dh = 64
 # (none does at dh = 128). tests/test_sm90_compile.py compiles every config kept here for sm_90
 # and checks that none spills registers in 16-bit and that every float32 kernel has one config that
-# does not spill at dh = 64. Under the interpreter, one config, with blocks of 16 so that small
-# tests cross several blocks.
+# does not spill at dh = 64. The forward also tries M_STAGES = 6 tiles of m in flight instead of 3
+# for per-token metrics: the loop that streams m then has more than twice the loads in flight per
+# program (5 ahead, not 2) in the same registers and shared memory, since its buffers reuse those of
+# the attention loop, which holds 6 such tiles (3 stages of a key and a value tile; the test checks
+# that the resources match).
+# Under the interpreter, one config, with blocks of 16 so that small tests cross several blocks.
 
 def _configs(*options):
+    """(BLOCK, num_warps, num_stages) or, for the forward, (BLOCK, num_warps, num_stages, M_STAGES)
+    -> triton.Configs."""
     if INTERPRETED:
-        return [triton.Config({"BLOCK": 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK": block}, num_warps=warps, num_stages=stages) for block, warps, stages in options]
+        options = [(16, 1, 1, M_STAGES)[:len(options[0])]]
+    configs = []
+    for block, warps, stages, *m_stages in options:
+        meta = {"BLOCK": block}
+        if m_stages:
+            meta["M_STAGES"] = m_stages[0]
+        configs.append(triton.Config(meta, num_warps=warps, num_stages=stages))
+    return configs
 
 
 def _keep_for_dtype(configs, named_args, **kwargs):
     """The configs for x's dtype and the padded head size DH: BLOCK >= 64 for 16-bit, <= 32 for
     float32; at DH = 128 only the configs that fit the registers (8 warps for 16-bit, BLOCK = 16
-    for float32; ptxas spills the others, tests/test_sm90_compile.py)."""
+    for float32; ptxas spills the others, tests/test_sm90_compile.py). A static metric is not
+    streamed: only the configs with the default M_STAGES."""
     wide = named_args["x_ptr"].dtype.itemsize == 4
     kept = [c for c in configs if (c.kwargs["BLOCK"] <= 32) == wide]
+    if not kwargs.get("PER_TOKEN", True):
+        kept = [c for c in kept if c.kwargs.get("M_STAGES", M_STAGES) == M_STAGES]
     if kwargs["DH"] == 128:
         kept = [c for c in kept if (c.kwargs["BLOCK"] == 16 if wide else c.kwargs["BLOCK"] == 64 and c.num_warps == 8)]
     return kept
@@ -80,8 +95,8 @@ def _autotune(*options):
                            prune_configs_by={"early_config_prune": _keep_for_dtype})
 
 
-# (BLOCK, num_warps, num_stages): 16-bit first, then float32
-FWD_CONFIGS = ((64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 8, 2), (16, 4, 2))
+# (BLOCK, num_warps, num_stages[, M_STAGES]): 16-bit first, then float32
+FWD_CONFIGS = ((64, 4, 3, 3), (64, 4, 3, 6), (64, 8, 3, 3), (64, 8, 3, 6), (128, 8, 3, 3), (32, 8, 2, 3), (16, 4, 2, 3))
 BWD_CONFIGS = ((64, 4, 3), (64, 8, 2), (32, 8, 2), (16, 4, 2), (16, 8, 2))
 
 
@@ -123,7 +138,8 @@ def _metric_row_pointers(m_base, rows, cols, stride_mt, stride_me, T, dh):
 
 @triton.jit
 def _metric_query(x_base, m_base, rows, cols, stride_xt, stride_xd, stride_mt, stride_md, stride_me,
-                  T, dh, BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+                  T, dh, BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr,
+                  M_STAGES: tl.constexpr):
     # Eq. 5, the query side: q_t = x_t @ m_t for the positions `rows` -> (BLOCK, DH) in float32
     if PER_TOKEN:
         # every position has its own (dh, dh) matrix: a batch of vector-matrix products, not a
@@ -177,14 +193,16 @@ def _attn_fwd(x_ptr, m_ptr, v_ptr, o_ptr, lse_ptr, q_ptr,
               stride_vb, stride_vh, stride_vt, stride_vd,
               stride_ob, stride_oh, stride_ot, stride_od,
               H, T, dh, qk_scale,
-              BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+              BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr,
+              M_STAGES: tl.constexpr):
     bh, b, h, start_m = _program(H, T, BLOCK)
     rows = start_m + tl.arange(0, BLOCK)
     x_base = x_ptr + b * stride_xb + h * stride_xh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     cols = tl.arange(0, DH)
     q = _metric_query(x_base, m_ptr + b * stride_mb + h * stride_mh, rows, cols, stride_xt, stride_xd,
-                      stride_mt, stride_md, stride_me, T, dh, BLOCK, DH, PER_TOKEN, PRECISION).to(x_ptr.dtype.element_ty)
+                      stride_mt, stride_md, stride_me, T, dh, BLOCK, DH, PER_TOKEN, PRECISION,
+                      M_STAGES).to(x_ptr.dtype.element_ty)
     # q, rounded as the dots below use it, for the backward: (B*H, T, dh) contiguous
     _store_rows(q_ptr + bh * T * dh, q, rows, cols, dh, 1, T, dh)
     row_max = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
@@ -308,7 +326,8 @@ def _bwd_dq(x_ptr, m_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dx_p
             stride_dxb, stride_dxh, stride_dxt, stride_dxd,
             stride_dqb, stride_dqh, stride_dqt, stride_dqd,
             H, T, dh, sm_scale, qk_scale,
-            BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr):
+            BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr,
+            M_STAGES: tl.constexpr):
     bh, b, h, start_m = _program(H, T, BLOCK)                           # a block of queries
     rows = start_m + tl.arange(0, BLOCK)
     cols = tl.arange(0, DH)
@@ -417,7 +436,7 @@ def _backward_plan(do, x, m, v, o, lse, q):
         (_bwd_dq, _grid(x), (x, m, v, q, do, lse, delta, dk, dx, dq, *x.stride(), *_metric_strides(m),
                              *v.stride(), *do.stride(), *dk.stride(), *dx.stride(), *dq.stride(),
                              H, T, dh, sm_scale, sm_scale * LOG2E),
-         dict(PER_TOKEN=m.dim() == 5, **options)),
+         dict(PER_TOKEN=m.dim() == 5, M_STAGES=M_STAGES, **options)),
     ]
     return (dx, dq, dv), launches
 

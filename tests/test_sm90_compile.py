@@ -114,6 +114,7 @@ def compile_rows(full):
                     yield dict(kernel=name + (f"/{metric}" if "PER_TOKEN" in constants else ""), dtype=dtype_name,
                                dh=dh, block=config.get("BLOCK", constants.get("BLOCK")),
                                warps=compiled.metadata.num_warps, stages=compiled.metadata.num_stages,
+                               m_stages=config.get("M_STAGES", constants.get("M_STAGES")),
                                **resources(compiled.asm["cubin"]), smem=compiled.metadata.shared,
                                compile_s=round(seconds, 2))
 
@@ -131,10 +132,10 @@ def tools_missing():
 
 
 def table(rows):
-    head = f"{'kernel':<20} {'dtype':<9} {'dh':>4} {'BLOCK':>5} {'warps':>5} {'stages':>6} {'regs':>5} " \
+    head = f"{'kernel':<20} {'dtype':<9} {'dh':>4} {'BLOCK':>5} {'warps':>5} {'stages':>6} {'m_stages':>8} {'regs':>5} " \
            f"{'spill B':>7} {'smem B':>7} {'compile s':>9}"
     lines = [head] + [f"{r['kernel']:<20} {r['dtype']:<9} {r['dh']:>4} {r['block']:>5} {r['warps']:>5} "
-                      f"{r['stages']:>6} {r['reg']:>5} {r['stack'] + r['local']:>7} {r['smem']:>7} {r['compile_s']:>9}"
+                      f"{r['stages']:>6} {r['m_stages'] or '-':>8} {r['reg']:>5} {r['stack'] + r['local']:>7} {r['smem']:>7} {r['compile_s']:>9}"
                       for r in rows]
     return "\n".join(lines)
 
@@ -162,6 +163,13 @@ def test_every_kernel_compiles_for_sm90_and_fits_the_registers(tmp_path):
         assert r["reg"] > 0 and r["smem"] <= 227 * 1024, r              # sm_90: 227 KiB of shared memory a block
         if r["dtype"] != "float32":
             assert r["stack"] == 0 and r["local"] == 0, f"register spills: {r}"
+    # the forward's deeper pipeline over m (M_STAGES 6) costs no more registers or shared memory
+    deep = [r for r in rows if r["kernel"] == "_attn_fwd/per_token" and r["m_stages"] == 6]
+    assert deep
+    for r in deep:
+        twin = next(t for t in rows if t["m_stages"] == 3 and all(t[k] == r[k] for k in
+                    ("kernel", "dtype", "dh", "block", "warps", "stages")))
+        assert (r["reg"], r["smem"]) == (twin["reg"], twin["smem"]), (r, twin)
     # float32 may spill in some configs, and autotuning keeps whichever runs fastest, spilling or
     # not; but at the model's dh = 64 each kernel must have a config that does not spill
     for kernel in kernels:

@@ -247,6 +247,7 @@ def test_bench_triton_gpu_smoke():
     ops = [row for row in rows if row["kind"] == "op"]
     assert {row["impl"] for row in ops} == {"read_m", "torch", "torch_compiled", "triton"}
     assert all(row["m_GBps"] > 0 if row["impl"] == "read_m" else row["fwd_ms"] > 0 for row in ops)
+    assert all("BLOCK" in config for row in ops if row["impl"] == "triton" for config in row["configs"].values())
     assert [row["rc"] for row in rows if row["kind"] == "train"] == [0]
     profiled = [row for row in rows if row["kind"] == "profile"]
     timed = [row for row in rows if row["kind"] == "model" and "ms_per_step" in row]
