@@ -32,6 +32,8 @@ Rows (kind=...), in order:
           --n_layer, and DAMCHA's --gen_out): MHA, DAMCHA on the torch path and on Triton (its
           generator width giving MHA's parameter count), eager and torch.compile'd: ms per step,
           tokens/s, MFU, peak memory; then the bf16 gradient agreement of the two DAMCHA paths.
+          First, name=matmul: the MLP's first matmul alone, its TFLOP/s and MFU, the most the
+          model's largest matmuls reach.
   profile after each model row (--profile=False: none): one step under torch.profiler, its total
           device time and the kernels that took most of it (CPU time on a CPU), to say where
           one path's step is slower than another's.
@@ -272,7 +274,19 @@ def step_row(variant, idx, compiled, peak_flops, profile):
     return row, profile_step(step) if profile else None
 
 
+def matmul_row(B, T, D, peak_flops):
+    """The MLP's first matmul alone, (B*T, D) @ (D, 4D), in bf16 (float32 on a CPU): the FLOP rate
+    that the model's largest matmuls reach on this device, to read the model rows' MFU against."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    a, w = (torch.randn(*shape, device=DEVICE, dtype=dtype) for shape in ((B * T, D), (D, 4 * D)))
+    ms = time_ms(lambda: a @ w)
+    flops = 2 * B * T * D * 4 * D / (ms / 1e3)
+    emit(kind="model", name="matmul", B=B, T=T, n_embd=D, dtype=str(dtype)[6:], ms=round(ms, 3),
+         tflops=round(flops / 1e12, 1), mfu=None if peak_flops is None else round(flops / peak_flops, 3))
+
+
 def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
+    matmul_row(B, fields["block_size"], fields["n_embd"], peak_flops)
     mha = dict(fields, attn="mha")
     damcha = dict(fields, gen_out=gen_out)
     damcha["gen_width"] = equal_params_width(count_params(mha), damcha)

@@ -249,6 +249,7 @@ def test_bench_triton_gpu_smoke():
     assert all(row["m_GBps"] > 0 if row["impl"] == "read_m" else row["fwd_ms"] > 0 for row in ops)
     assert all("BLOCK" in config for row in ops if row["impl"] == "triton" for config in row["configs"].values())
     assert [row["rc"] for row in rows if row["kind"] == "train"] == [0]
+    assert next(row for row in rows if row.get("name") == "matmul")["ms"] > 0
     profiled = [row for row in rows if row["kind"] == "profile"]
     timed = [row for row in rows if row["kind"] == "model" and "ms_per_step" in row]
     assert [row["name"] for row in profiled] == [row["name"] for row in timed] and timed
