@@ -282,7 +282,10 @@ def start_processes(cfg, model_args, ckpt):
 def load_data(run):
     """The dataset, and with it the vocabulary size of a new model."""
     if run.ddp and not run.master:
-        dist.barrier()   # rank 0 downloads and prepares the data, the others then only read it
+        try:
+            dist.barrier()   # rank 0 downloads and prepares the data, the others then only read it
+        except RuntimeError:  # rank 0 stopped: its own error says why
+            die("rank 0 stopped before the data were ready; its error is above")
     run.components, run.vocab = load_dataset(run.cfg['dataset'], run.cfg['data_dir'],
                                              run.ckpt['vocab'] if run.ckpt else None)
     if run.ddp and run.master:

@@ -319,6 +319,21 @@ def test_ddp_on_two_cpu_processes_matches_one_process(tmp_path, data_dir):
     assert ckpt['iter_num'] == 4 and len(ckpt['rng']['torch']) == 2   # both processes' RNG states
 
 
+def test_ddp_ranks_waiting_for_missing_data_stop_in_one_line(tmp_path):
+    """Rank 0 refuses a missing dataset in one line; rank 1, waiting for rank 0 to prepare the
+    data, then says so in one line rather than a traceback from the broken process group."""
+    # torchrun stops the other ranks once one fails; checking every 2 s, it leaves rank 1 the
+    # time to say why it stopped
+    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             '--monitor-interval=2', 'train_char.py', *TINY, '--gradient_accumulation_steps=2',
+                             f'--dataset={tmp_path / "missing.txt"}', f'--out_dir={tmp_path / "out"}'],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "is neither shakespeare" in result.stderr
+    assert "error: rank 0 stopped before the data were ready" in result.stderr
+    assert "RuntimeError" not in result.stderr
+
+
 def test_non_finite_loss_stops_and_keeps_the_checkpoint(trained, monkeypatch, tmp_path):
     class Diverging(tc.GPT):
         def forward(self, idx, targets=None, **kwargs):
