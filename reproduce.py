@@ -62,6 +62,7 @@ import time
 import numpy as np
 import torch
 
+from checkpoint import pick_device
 from configurator import configure, die
 from damcha_torch import GPTConfig, count_params, equal_params_width
 from data.prepare import atomic_write, load_dataset
@@ -142,6 +143,7 @@ def parse_options(argv):
     for v in opts['variants'].split(','):
         if v and v not in table:
             die(f"unknown variant {v!r}; the variants are {', '.join(table)}")
+    pick_device(opts['device'], 0)     # a device this machine lacks is refused before any download
     return opts, passthrough
 
 

@@ -2,7 +2,7 @@
 Tests of reproduce.py: a tiny sweep (one seed, a few iterations, a one-layer model) writes the
 per-run logs and eval JSON, summary.json and summary.md with a row per variant, DAMCHA at MHA's
 parameter count within 5%, the float16 weight snapshots of the run named by --snapshot, and a
-rerun skips every finished run.
+rerun skips every finished run. A device the machine lacks is refused before any download.
 
     python -m pytest -q tests/test_reproduce.py
 """
@@ -123,3 +123,13 @@ def test_study_contrasts_pair_runs_of_the_same_seed():
     assert sides['damcha', 'proj']['diff'] == (pytest.approx(0.05), pytest.approx(0.0, abs=1e-12))
     mean, half = sides['static', 'mha']['diff']
     assert sides['static', 'mha']['runs'] == 3 and mean == pytest.approx(0.32) and half > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_a_missing_device_is_refused_before_any_download(tmp_path):
+    p = subprocess.run([sys.executable, 'reproduce.py', '--dataset=enwik8', '--device=cuda',
+                        f"--data_dir={tmp_path / 'data'}", f"--results={tmp_path / 'results'}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert p.stderr.strip().splitlines() == ["error: device=cuda, but this machine has no CUDA device"]
+    assert not (tmp_path / 'data').exists() and not (tmp_path / 'results').exists()
