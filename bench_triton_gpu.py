@@ -40,6 +40,8 @@ Rows (kind=...), in order:
   train   `python train_char.py <train_configs> --max_iters=30` on the bundled Shakespeare
           (compile on, bf16), on the torch path and with --kernel=triton: exit status, wall time
           and the last loss line.
+A row whose measurement raised (an implementation in the op rows, a profile) has error="..." in
+place of its numbers, and the check goes on.
 tests/test_triton.py imports make_inputs and torch_path from here; importing this module runs nothing.
 """
 import json
@@ -97,6 +99,11 @@ def rel_err(a, b):
 
 def emit(**row):
     print(json.dumps(row), flush=True)
+
+
+def failure(e):
+    """An exception as a row's error field: one line, its type and the start of its message."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]
 
 
 def time_ms(fn):
@@ -184,7 +191,7 @@ def check_large_offsets(op, budget):
 def tuned_configs():
     """The config autotuning chose for each Triton kernel at its last launch."""
     import damcha_triton
-    return {k.fn.__name__: str(k.best_config) for k in (damcha_triton._attn_fwd, damcha_triton._bwd_dkdv,
+    return {k.fn.__name__: str(getattr(k, "best_config", None)) for k in (damcha_triton._attn_fwd, damcha_triton._bwd_dkdv,
                                                         damcha_triton._bwd_dq)}
 
 
@@ -200,9 +207,12 @@ def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
             torch._dynamo.reset()   # torch_compiled compiles afresh: earlier rows' graphs count to the recompile limit
             ms = {}
             for impl, op in ops.items():
-                with torch.no_grad():
-                    fwd = time_ms(lambda: op(x, m, v))
-                ms[impl] = fwd, time_ms(lambda: forward_backward(op, x, m, v, do))
+                try:
+                    with torch.no_grad():
+                        fwd = time_ms(lambda: op(x, m, v))
+                    ms[impl] = fwd, time_ms(lambda: forward_backward(op, x, m, v, do))
+                except Exception as e:  # torch_compiled has not yet run on a GPU: report it, time the others
+                    emit(**row, impl=impl, error=failure(e))
             m_bytes = m.numel() * m.element_size()
             if not static:
                 # the ceiling on m's bandwidth: one plain read of m (a sum), what any op that reads
@@ -271,7 +281,12 @@ def step_row(variant, idx, compiled, peak_flops, profile):
     row = dict(ms_per_step=round(ms, 2), tokens_per_s=round(tokens / ms * 1e3),
                mfu=None if peak_flops is None else round(flops / peak_flops, 3),
                peak_mib=peak_mib(step), first_step_s=round(first_s, 1))
-    return row, profile_step(step) if profile else None
+    if not profile:
+        return row, None
+    try:
+        return row, profile_step(step)
+    except Exception as e:      # the profiler has not yet run on a GPU here: a failure is reported, not fatal
+        return row, dict(error=failure(e))
 
 
 def matmul_row(B, T, D, peak_flops):

@@ -243,6 +243,7 @@ def test_bench_triton_gpu_smoke():
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     kinds = [row["kind"] for row in rows]
     assert kinds[0] == "setup" and kinds[-1] == "done" and {"check", "op", "model", "train"} <= set(kinds)
+    assert not [row for row in rows if "error" in row]
     assert all(row["ok"] for row in rows if row["kind"] == "check")
     ops = [row for row in rows if row["kind"] == "op"]
     assert {row["impl"] for row in ops} == {"read_m", "torch", "torch_compiled", "triton"}
@@ -256,6 +257,19 @@ def test_bench_triton_gpu_smoke():
     assert all(row["total_ms"] >= row["top"][0][1] > 0 for row in profiled)
     agreement = next(row for row in rows if row.get("name") == "grad_agreement")
     assert agreement["max_rel_err"] < GRAD_TOL
+
+
+def test_bench_reports_a_failing_implementation_and_times_the_others(capsys):
+    """An op that raises in bench_triton_gpu.py's op rows becomes one error row; the rest are timed."""
+    import bench_triton_gpu
+    def broken(x, m, v):
+        raise RuntimeError("no kernel\nfor this")
+    bench_triton_gpu.op_rows({"torch": torch_path, "broken": broken}, (1, 2, 8, 4), [torch.float32], None,
+                             bench_triton_gpu.Budget(60))
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["metric"], r["impl"]) for r in rows if "error" in r] == [("per_token", "broken"), ("static", "broken")]
+    assert all(r["error"] == "RuntimeError: no kernel for this" for r in rows if "error" in r)
+    assert [(r["metric"], r["impl"]) for r in rows if "fwd_ms" in r] == [("per_token", "torch"), ("static", "torch")]
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "unshared"])
