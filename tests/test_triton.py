@@ -259,6 +259,14 @@ def test_bench_triton_gpu_smoke():
     assert agreement["max_rel_err"] < GRAD_TOL
 
 
+def test_autotuning_keeps_one_choice_per_kind_of_metric():
+    """Triton keeps an autotuned config per key (and per dtype of the tensors): a kernel that takes
+    both per-token and static metrics must have PER_TOKEN in its key, or a static launch reuses
+    the choice made for per-token ones (a 6-deep pipeline over an m it does not stream)."""
+    for kernel in (damcha_triton._attn_fwd, damcha_triton._bwd_dkdv, damcha_triton._bwd_dq):
+        assert ("PER_TOKEN" in kernel.keys) == ("PER_TOKEN" in kernel.arg_names), kernel.fn.__name__
+
+
 def test_bench_reports_a_failing_implementation_and_times_the_others(capsys):
     """An op that raises in bench_triton_gpu.py's op rows becomes one error row; the rest are timed."""
     import bench_triton_gpu
