@@ -195,8 +195,8 @@ def check_large_offsets(op, budget):
 def tuned_configs():
     """The config autotuning chose for each Triton kernel at its last launch."""
     import damcha_triton
-    return {k.fn.__name__: str(getattr(k, "best_config", None)) for k in (damcha_triton._attn_fwd, damcha_triton._bwd_dkdv,
-                                                        damcha_triton._bwd_dq)}
+    kernels = (damcha_triton._attn_fwd, damcha_triton._bwd_dkdv, damcha_triton._bwd_dq)
+    return {k.fn.__name__: str(getattr(k, "best_config", None)) for k in kernels}
 
 
 def op_rows(ops, shape, dtypes, peak_bandwidth, budget):

@@ -44,7 +44,7 @@ import triton.language as tl
 LOG2E = math.log2(math.e)     # the kernels use exp2: exp(s) = exp2(s * log2(e))
 MAX_DH = 128                  # beyond this the (BLOCK, DH) float32 tiles outgrow the registers
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")   # as Triton reads it
-M_STAGES = 3                  # loads of m in flight in the loops over its rows (software pipelining)
+M_STAGES = 3                  # tiles of m in flight in the loops over its rows (software pipelining), by default
 
 
 # ----------------------------------------------------------------------------------------------
