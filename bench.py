@@ -16,7 +16,7 @@ A training step is forward, backward and an AdamW update (GPT.configure_optimize
 tokens. The model is train_char.py's default (4 layers, 4 heads, D = 128, T = 64, a shared folded
 generator of depth 2), with three differences: batch 16 (train_char.py: 12), a vocabulary of 65
 (train_char.py: the dataset's, 80 for the bundled corpus), and the damcha row's generator width
-solved for equal parameters with MHA, w = 30 at these sizes (train_char.py: 64).
+solved for equal parameters with MHA (w = 30 at these sizes, train_char.py's default).
 The rows, one JSON object per line:
   mha, damcha            MHA and DAMCHA at equal parameter count: DAMCHA's generator width is
                          solved for (equal_params_width) so that the counts agree within 5%

@@ -1,6 +1,7 @@
 """
-configurator.py: the one settings parser that every script uses (train_char, bench, synthetic,
-reproduce), in the manner of nanoGPT's configurator.
+configurator.py: the one settings parser that every script uses (train_char, eval_char,
+reproduce, synthetic, bench, bench_triton_gpu, data/prepare and damcha_numpy's training loop),
+in the manner of nanoGPT's configurator. It needs no more than the standard library.
 
 A script keeps its settings in a dict of defaults and calls configure(defaults, sys.argv[1:]).
 Each argument, in order, overrides what came before:

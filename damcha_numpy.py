@@ -14,7 +14,7 @@ Comments give tensor shapes, e.g. (B, T, H, dh, dh), and the paper's equation nu
 
 Run it:
     python damcha_numpy.py                          # train a tiny DAMCHA on the bundled corpus
-    python damcha_numpy.py --attn=mha --iters=500   # any GPTConfig field or loop setting
+    python damcha_numpy.py --attn=mha --iters=500   # any GPTConfig field or loop setting (--help)
 Check the backward pass against central finite differences (float64):
     python -c "import damcha_numpy as d; print(d.gradcheck(d.GPTConfig(vocab_size=7, \\
         block_size=6, n_layer=2, n_head=2, n_embd=8, gen_width=5)))"
@@ -27,6 +27,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
+
+from configurator import configure   # the settings parser of every script; no torch
 
 
 @dataclass
@@ -46,7 +48,7 @@ class GPTConfig:
     bias: bool = True
     dropout: float = 0.0     # NumPy supports 0 only
     attn_dropout: float = 0.0   # likewise; the fields are damcha_torch.GPTConfig's, less its kernel
-    qk: str = "slice"        # the study's variants (damcha_torch): NumPy has the spec's model only,
+    qk: str = "slice"        # the study's variants (damcha_torch): NumPy has the paper's model only,
     metric_init: str = "normal"  # so these three keep their defaults
     mlp_hidden: int = 0
 
@@ -65,7 +67,7 @@ class GPTConfig:
             (self.dropout == 0, "the NumPy model supports dropout=0 only"),
             (self.attn_dropout == 0, "the NumPy model supports attn_dropout=0 only"),
             ((self.qk, self.metric_init, self.mlp_hidden) == ("slice", "normal", 0),
-             "the NumPy model is the spec's: qk='slice', metric_init='normal', mlp_hidden=0 only"),
+             "the NumPy model is the paper's: qk='slice', metric_init='normal', mlp_hidden=0 only"),
         ]
         for ok, message in checks:
             if not ok:
@@ -625,21 +627,6 @@ def generate(params, config, idx, max_new_tokens, rng, temperature=0.8):
     return idx
 
 
-def parse_args(argv, defaults):
-    """--key=value overrides of a dict of defaults, each parsed as its default's type."""
-    out = dict(defaults)
-    for arg in argv:
-        key, sep, value = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or not sep or key not in out:
-            raise SystemExit(f"unknown argument {arg!r}; settings: " + ", ".join(f"--{k}" for k in out))
-        kind = type(out[key])
-        try:
-            out[key] = {"True": True, "False": False}[value] if kind is bool else kind(value)
-        except (KeyError, ValueError):
-            raise SystemExit(f"--{key} expects {kind.__name__}, got {value!r}") from None
-    return out
-
-
 def stop_if_not_finite(what, loss, it):
     """Weights past a non-finite loss are lost: stop at once, as train_char.py does."""
     if not math.isfinite(loss):
@@ -647,15 +634,12 @@ def stop_if_not_finite(what, loss, it):
 
 
 def main(argv):
-    settings = {f.name: f.default for f in fields(GPTConfig)}
+    # every GPTConfig field but vocab_size, which the corpus decides, and the loop's settings
+    settings = {f.name: f.default for f in fields(GPTConfig) if f.name != "vocab_size"}
     settings.update(iters=1500, batch_size=16, lr=1e-2, warmup=100, eval_every=250, seed=0, start="ROMEO:",
                     data=str(Path(__file__).parent / "data" / "shakespeare" / "input.txt"))
-    settings = parse_args(argv, settings)
-    for key in ("iters", "batch_size", "warmup", "eval_every"):
-        if settings[key] < 1:
-            raise SystemExit(f"--{key} must be at least 1, not {settings[key]}")
-    if not (math.isfinite(settings["lr"]) and settings["lr"] > 0):   # lr < 0 would climb the loss
-        raise SystemExit(f"--lr must be a positive number, not {settings['lr']}")
+    settings, _ = configure(settings, argv, positive=("iters", "batch_size", "warmup", "eval_every", "lr"),
+                            doc=__doc__)   # lr < 0 would climb the loss
     if not 0 <= settings["seed"] < 2**32:
         raise SystemExit(f"--seed must be a whole number from 0 to 2**32 - 1, not {settings['seed']}")
     if not Path(settings["data"]).is_file():
@@ -673,7 +657,7 @@ def main(argv):
         raise SystemExit(f"--start={settings['start']!r} has characters that are not in the corpus")
     prompt = np.searchsorted(vocab, start)[None].astype(np.int64)
     try:
-        config = GPTConfig(**{f.name: settings[f.name] for f in fields(GPTConfig) if f.name != "vocab_size"},
+        config = GPTConfig(**{f.name: settings[f.name] for f in fields(GPTConfig) if f.name in settings},
                            vocab_size=len(vocab))
     except ValueError as e:
         raise SystemExit(str(e)) from None

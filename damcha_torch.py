@@ -52,7 +52,7 @@ class GPTConfig:
     attn_dropout: float = 0.0   # dropout of the attention probabilities (NumPy, kernel="triton": 0 only)
     kernel: str = "torch"    # DAMCHA attention: "torch" (Eq. 5 product + SDPA) | "triton" (damcha_triton.py, fused)
     # The 2x2 study (issue 15; PyTorch only, NumPy keeps the defaults):
-    qk: str = "slice"        # DAMCHA's queries and keys: "slice", the spec's q_i = x_i m_i, k_i = x_i;
+    qk: str = "slice"        # DAMCHA's queries and keys: "slice", Eq. 5's q_i = x_i m_i, k_i = x_i;
                              # "proj", MHA's projections with the metric: q_i = (u W_q)_i m_i, k_i = (u W_k)_i
     metric_init: str = "normal"  # "normal": N(0, 0.02) as every weight; "identity": m_i = I at init
                              # (the static metric, or the generator's last bias; its weight stays N(0, 0.02))
@@ -94,7 +94,7 @@ class GPTConfig:
 def rowsum(M, config):
     """Eq. 4, RowSum m_i = sum_j M_ij, over the blocks that config.blocks keeps.
 
-    M holds D*D rows laid out as the spec's D x D metric, row-major: row (i*dh + a)*D + j*dh + b
+    M holds D*D rows laid out as Eq. 3's D x D metric, row-major: row (i*dh + a)*D + j*dh + b
     is entry (a, b) of block M_ij. It is the generator's last weight (D*D, w), its bias (D*D,)
     or a static metric (D, D). Returns (H, dh, dh, k), k = w for a weight and 1 otherwise."""
     H = config.n_head
@@ -107,7 +107,7 @@ def rowsum(M, config):
 
 
 def prefix_mean(z, state=None):
-    """Step 1 of the spec: c[b, t] = mean of z[b, s] over s <= t, so position t never sees a later
+    """The causal context c_t of Eq. 3: c[b, t] = mean of z[b, s] over s <= t, so position t never sees a later
     token. z (B, T, D) -> c (B, T, D). When decoding, `state` carries the sum and the count of
     the earlier tokens, so that a new token costs O(1) here."""
     total = torch.cumsum(z, dim=1)                                   # (B, T, D)
@@ -128,7 +128,7 @@ def generator_sizes(config, out):
 
 class MetricGenerator(nn.ModuleList):
     """f of Eq. 3: P linear layers D -> w -> ... -> w -> out with GELU between them. The layers
-    are the list's items, so their keys are gen.{p}.weight and gen.{p}.bias, as in the spec."""
+    are the list's items, so their keys are gen.{p}.weight and gen.{p}.bias, as docs/model.md names them."""
 
     def __init__(self, config):
         D, H = config.n_embd, config.n_head
@@ -157,7 +157,7 @@ class MetricGenerator(nn.ModuleList):
 
 def add_metric(owner, config):
     """Give `owner` (the GPT when shared, a layer's attention otherwise) its generator `gen`, or
-    with adaptive=False its static metric `metric`: the spec's keys, with no extra prefix."""
+    with adaptive=False its static metric `metric`: the keys docs/model.md names, with no extra prefix."""
     D, H = config.n_embd, config.n_head
     if config.adaptive:
         owner.gen = MetricGenerator(config)
@@ -364,6 +364,23 @@ def configure_optimizers(model, weight_decay, learning_rate, betas, device_type)
 PEAK_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "tf32": 494.5e12, "float32": 66.9e12}
 
 
+def shares_metric(config):
+    """Section 3.4: one generator (or static metric) for the whole stack, owned by the model."""
+    return config.attn == "damcha" and config.share
+
+
+def stack_forward(owner, x, cache=None):
+    """owner.h, the stack of Blocks, on x (B, T, D) -> (B, T, D). A shared generator (owner.gen)
+    runs once here, on layer 0's attention input u; that LayerNorm is recomputed inside the
+    block, which is cheap next to the generator. GPT and synthetic.py's SetModel both use it."""
+    config, m = owner.config, None
+    if shares_metric(config):
+        m = compute_metric(owner, owner.h[0].ln_1(x), config, None if cache is None else cache["shared"])
+    for l, block in enumerate(owner.h):
+        x = block(x, m, None if cache is None else cache["layers"][l])
+    return x
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -374,13 +391,9 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        if self.shares_metric:
+        if shares_metric(config):
             add_metric(self, config)
         init_weights(self, config.n_layer)
-
-    @property
-    def shares_metric(self):
-        return self.config.attn == "damcha" and self.config.share
 
     def get_num_params(self, non_embedding=True):
         """Parameter count; without the position embeddings by default, as nanoGPT. The token
@@ -399,13 +412,7 @@ class GPT(nn.Module):
             raise ValueError("after the prompt, the cache takes one token at a time")
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))                 # (B, T, D)
-        m = None
-        if self.shares_metric:
-            # Section 3.4: one generator for the stack, run once here on layer 0's attention
-            # input u (its LayerNorm is recomputed inside the block: cheap next to the generator)
-            m = compute_metric(self, self.h[0].ln_1(x), self.config, None if cache is None else cache["shared"])
-        for l, block in enumerate(self.h):
-            x = block(x, m, None if cache is None else cache["layers"][l])
+        x = stack_forward(self, x, cache)
         logits = F.linear(self.ln_f(x), self.wte.weight)              # lm_head tied to wte (B, T, V)
         loss = None
         if targets is not None:

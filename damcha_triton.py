@@ -121,7 +121,7 @@ def _store_rows(base, tile, rows, cols, stride_t, stride_d, T, dh):
 
 
 @triton.jit
-def _program(H, T, BLOCK: tl.constexpr):
+def _program(H, BLOCK: tl.constexpr):
     # one program per (b * H + h, block of positions): b * H + h on grid axis 0, which CUDA allows
     # up to 2^31 - 1 (axes 1 and 2 stop at 65,535); the blocks in reverse, the longest causal rows
     # first, so that the short ones fill in at the end
@@ -197,7 +197,7 @@ def _attn_fwd(x_ptr, m_ptr, v_ptr, o_ptr, lse_ptr, q_ptr,
               H, T, dh, qk_scale,
               BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr,
               M_STAGES: tl.constexpr):
-    bh, b, h, start_m = _program(H, T, BLOCK)
+    bh, b, h, start_m = _program(H, BLOCK)
     rows = start_m + tl.arange(0, BLOCK)
     x_base = x_ptr + b * stride_xb + h * stride_xh
     v_base = v_ptr + b * stride_vb + h * stride_vh
@@ -239,7 +239,7 @@ def _bwd_prep(o_ptr, do_ptr, delta_ptr,
               stride_ob, stride_oh, stride_ot, stride_od,
               stride_dob, stride_doh, stride_dot, stride_dod,
               H, T, dh, BLOCK: tl.constexpr, DH: tl.constexpr):
-    bh, b, h, start_m = _program(H, T, BLOCK)
+    bh, b, h, start_m = _program(H, BLOCK)
     rows = start_m + tl.arange(0, BLOCK)
     cols = tl.arange(0, DH)
     o = _load_rows(o_ptr + b * stride_ob + h * stride_oh, rows, cols, stride_ot, stride_od, T, dh)
@@ -280,7 +280,7 @@ def _bwd_dkdv(x_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
               stride_dvb, stride_dvh, stride_dvt, stride_dvd,
               H, T, dh, sm_scale, qk_scale,
               BLOCK: tl.constexpr, DH: tl.constexpr, PRECISION: tl.constexpr):
-    bh, b, h, start_n = _program(H, T, BLOCK)                           # a block of keys
+    bh, b, h, start_n = _program(H, BLOCK)                           # a block of keys
     keys = start_n + tl.arange(0, BLOCK)
     cols = tl.arange(0, DH)
     k = _load_rows(x_ptr + b * stride_xb + h * stride_xh, keys, cols, stride_xt, stride_xd, T, dh)
@@ -330,7 +330,7 @@ def _bwd_dq(x_ptr, m_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dx_p
             H, T, dh, sm_scale, qk_scale,
             BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr,
             M_STAGES: tl.constexpr):
-    bh, b, h, start_m = _program(H, T, BLOCK)                           # a block of queries
+    bh, b, h, start_m = _program(H, BLOCK)                           # a block of queries
     rows = start_m + tl.arange(0, BLOCK)
     cols = tl.arange(0, DH)
     x_base = x_ptr + b * stride_xb + h * stride_xh

@@ -70,8 +70,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configurator import configure, die
-from damcha_torch import (Block, GPTConfig, add_metric, compute_metric, configure_optimizers, count_params,
-                          equal_params_width, get_lr, init_weights)
+from damcha_torch import (Block, GPTConfig, add_metric, configure_optimizers, count_params, equal_params_width,
+                          get_lr, init_weights, shares_metric, stack_forward)
 
 H = 4                                    # subspaces = heads
 T = 8                                    # tokens per sample
@@ -163,16 +163,12 @@ class SetModel(nn.Module):
         self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.head = nn.Linear(config.n_embd, n_out)
-        if config.attn == "damcha" and config.share:
+        if shares_metric(config):
             add_metric(self, config)                                 # self.gen, as in GPT
         init_weights(self, config.n_layer)                           # GPT's init
 
     def forward(self, x):
-        m = None
-        if self.config.attn == "damcha" and self.config.share:
-            m = compute_metric(self, self.h[0].ln_1(x), self.config)   # as GPT.forward
-        for block in self.h:
-            x = block(x, m)
+        x = stack_forward(self, x)                                   # GPT's stack (B, T, D)
         return self.head(self.ln_f(x[:, -1]))                        # (B, n_out)
 
 

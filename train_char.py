@@ -82,9 +82,11 @@ DEFAULTS = dict(
     temperature=0.8,
     top_k=0,                      # 0: sample from the whole distribution
 )
-# every GPTConfig field is a setting; vocab_size 0 means the dataset's vocabulary size
+# every GPTConfig field is a setting; vocab_size 0 means the dataset's vocabulary size. At this
+# size, generator width 30 gives DAMCHA MHA's parameter count (damcha_torch.equal_params_width), so
+# `python train_char.py` and `python train_char.py --attn=mha` compare at equal parameters
 MODEL_DEFAULTS = dict(vocab_size=0, block_size=64, n_layer=4, n_head=4, n_embd=128,
-                      gen_out='folded', gen_depth=2, gen_width=64)
+                      gen_out='folded', gen_depth=2, gen_width=30)
 MODEL_KEYS = [f.name for f in dataclasses.fields(GPTConfig)]
 DEFAULTS.update({f.name: MODEL_DEFAULTS.get(f.name, f.default) for f in dataclasses.fields(GPTConfig)})
 CHOICES = dict(mode=('train', 'config'), init_from=('scratch', 'resume'),

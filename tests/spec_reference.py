@@ -1,14 +1,14 @@
-"""Independent float64 reference of the DAMCHA forward pass, written from the model's specification only.
+"""Independent float64 reference of the DAMCHA forward pass, written from the model's description only.
 
 This file is deliberately independent of damcha_numpy.py and damcha_torch.py: it was
 written without reading them, uses explicit Python loops so that every formula of the
-spec appears literally, and is only meant for tiny sizes in tests (speed does not matter).
+description appears literally, and is only meant for tiny sizes in tests (speed does not matter).
 
     reference_forward(params, config, idx, targets=None) -> (logits, loss)
-    reference_random_params(config, seed) -> dict of float64 arrays (the spec's keys)
+    reference_random_params(config, seed) -> dict of float64 arrays (the model's parameter keys)
 
-Section names in the comments refer to the specification's sections, which docs/model.md
-reproduces.
+The description is the one docs/model.md gives. Its "DAMCHA attention" section is
+followed in three steps: (1) the causal context, (2) the generator, (3) the metric's RowSum.
 """
 import math
 
@@ -160,7 +160,7 @@ def _causal_heads(q, k, v, H):
 
 # ---------------------------------------------------------------- the network
 def reference_forward(params, config, idx, targets=None):
-    """Forward pass of the spec's pre-LN GPT. Returns (logits (B, T, V) float64, loss),
+    """Forward pass of the pre-LN GPT of docs/model.md. Returns (logits (B, T, V) float64, loss),
     loss = mean cross-entropy as a float, or None when targets is None."""
     idx = np.asarray(idx)
     B, T = idx.shape
@@ -200,7 +200,7 @@ def reference_forward(params, config, idx, targets=None):
 
 # ---------------------------------------------------------------- random parameters
 def reference_random_params(config, seed):
-    """Every parameter key the spec lists for `config`, float64: weights N(0, 0.3),
+    """Every parameter key docs/model.md lists for `config`, float64: weights N(0, 0.3),
     LayerNorm weights 1 + N(0, 0.1), biases N(0, 0.1)."""
     rng = np.random.default_rng(seed)
     V, D, H = config.vocab_size, config.n_embd, config.n_head

@@ -4,7 +4,10 @@ A notebook added later is picked up by the glob. Each one is executed from a fre
 memory (the committed file is not rewritten), with notebooks/ as the working directory, as Jupyter
 would run it. The committed file must also hold the outputs of a run: every code cell executed, no
 error among the outputs, no placeholder text left in any cell, and every figure at least 400 pixels
-wide (readable on GitHub and in JupyterLab)."""
+wide (readable on GitHub and in JupyterLab).
+
+    python -m pytest -q tests/test_notebooks.py
+"""
 import base64
 import re
 import struct

@@ -1,6 +1,9 @@
 """Tests of damcha_numpy.py: every *_backward against central differences (float64), the whole
-model against finite differences and against an independent implementation of the spec
-(tests/spec_reference.py), causality, folding, block masks, initialisation and training."""
+model against finite differences and against an independent implementation of the model
+(tests/spec_reference.py), causality, folding, block masks, initialisation and training.
+
+    python -m pytest -q tests/test_numpy.py
+"""
 import subprocess
 import sys
 
@@ -190,7 +193,7 @@ def variant(request):
 
 def test_matches_independent_reference(variant):
     config, params, idx, targets = variant
-    assert set(params) == set(dn.init_params(config)), "parameter names differ from the spec's"
+    assert set(params) == set(dn.init_params(config)), "parameter names differ from the reference's"
     logits, loss, _ = dn.forward(params, config, idx, targets)
     ref_logits, ref_loss = reference_forward(params, config, idx, targets)
     assert np.abs(logits - ref_logits).max() <= 1e-10 * np.abs(ref_logits).max()
@@ -323,10 +326,11 @@ def test_main_trains_and_samples(tmp_path):
 def test_main_rejects_bad_flags(tmp_path):
     short = tmp_path / "short.txt"
     short.write_bytes(b"ROMEO: hi\n" * 3)
-    for flag, message in [("--n_layre=2", "unknown argument"), ("--n_layer=two", "expects int"),
+    for flag, message in [("--n_layre=2", "did you mean 'n_layer'"), ("--n_layer=two", "expected int"),
+                          ("--vocab_size=500", "unknown setting 'vocab_size'"),   # the corpus decides it
                           ("--n_embd=10", "divisible"),
                           ("--start=ROMEO\u00e9", "not in the corpus"), ("--data=/nonexistent.txt", "no such file"),
-                          ("--eval_every=0", "at least 1"), ("--n_head=0", "at least 1"),
+                          ("--eval_every=0", "must be positive"), ("--n_head=0", "at least 1"),
                           (f"--data={short}", "shorter than block_size")]:
         run = subprocess.run([sys.executable, "damcha_numpy.py", flag], capture_output=True, text=True,
                              cwd=dn.__file__.rsplit("/", 1)[0], timeout=60)

@@ -1,5 +1,8 @@
 """synthetic.py: the synthetic tasks have the structure its docstring states, the models are at equal
-parameter count, a tiny training run gives finite numbers, and the committed sweep is complete."""
+parameter count, a tiny training run gives finite numbers, and the committed sweep is complete.
+
+    python -m pytest -q tests/test_synthetic.py
+"""
 import json
 import math
 from pathlib import Path

@@ -1,9 +1,9 @@
 """
-tests/test_torch.py: checks damcha_torch.GPT against the spec and against damcha_numpy.
+tests/test_torch.py: checks damcha_torch.GPT against the independent reference and against damcha_numpy.
 
 Run: python -m pytest -q tests/test_torch.py      (about 20 seconds on two CPU cores)
 
-In float64, for every variant of the spec (attn, adaptive, share, blocks, gen_out, gen_depth,
+In float64, for every variant of the model (attn, adaptive, share, blocks, gen_out, gen_depth,
 bias): logits and loss equal the independent loop-by-loop reference (tests/spec_reference.py)
 to 1e-10, and logits, loss and every parameter's gradient equal damcha_numpy's to 1e-9, the
 weights moving between the two through the state_dict. Then the properties that only the
@@ -28,7 +28,7 @@ TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, gen_widt
 
 
 def all_variants():
-    """Every combination the spec allows, at the TINY size: MHA with and without bias, and
+    """Every combination of settings GPTConfig allows, at the TINY size: MHA with and without bias, and
     DAMCHA over share x bias x (gen_out, blocks) x (static metric, or P = 1, 2, 3 layers)."""
     variants = [dict(attn="mha", bias=bias) for bias in (True, False)]
     for share in (True, False):
@@ -50,7 +50,7 @@ KEY_IDS = ["-".join(f"{k}={v}" for k, v in variant.items()) for variant in KEY_V
 
 
 def model_from(config, params):
-    """A float64 GPT holding `params` (a dict of arrays with the spec's keys), loaded strictly."""
+    """A float64 GPT holding `params` (a dict of arrays with the model's parameter keys), loaded strictly."""
     model = GPT(config).double()
     model.load_state_dict({k: torch.tensor(np.asarray(v), dtype=torch.float64) for k, v in params.items()},
                           strict=True)
@@ -63,7 +63,7 @@ def tokens(config, shape, seed):
 
 
 # ----------------------------------------------------------------------------------------------
-# Against the spec and the NumPy reference, every variant
+# Against the independent reference and the NumPy model, every variant
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 def test_matches_spec_reference(variant):

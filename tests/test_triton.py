@@ -12,7 +12,7 @@ float64 autograd reference (einsum + SDPA) and against the chain of damcha_numpy
 pieces, for per-token and static metrics and head sizes that need padding (8, 12, 48); then the
 edge cases of T, input layouts, argument checks, the float32 precision setting, torch.compile
 tracing through the op, and the whole GPT with GPTConfig(kernel="triton") against kernel="torch",
-the spec's forward and damcha_numpy's gradients. With a GPU the same tests run on it, plus: bfloat16 and float16 against float64 (no
+the independent reference forward and damcha_numpy's gradients. With a GPU the same tests run on it, plus: bfloat16 and float16 against float64 (no
 worse than torch's own 16-bit path), T = 4096 in float32, and the forward's peak memory. Errors
 are relative to the largest entry: max |a - b| / max |b| (rel_err). The inputs (make_inputs) and
 the torch path (torch_path) come from bench_triton_gpu.py, which checks the same on a GPU.
@@ -317,7 +317,7 @@ def test_kernel_triton_runs_the_kernel_for_per_token_metrics_only(monkeypatch):
 @pytest.mark.parametrize("variant", [dict(), dict(share=False), dict(adaptive=False), dict(gen_out="folded")],
                          ids=["shared", "unshared", "static", "folded"])
 def test_gpt_kernel_triton_matches_spec_and_numpy(variant):
-    """The issue's bar: GPT(kernel="triton") in float32 against the spec's independent float64
+    """The issue's bar: GPT(kernel="triton") in float32 against the independent float64
     forward (logits and loss to 1e-4) and damcha_numpy's float64 gradients (to 1e-3), with T = 37
     longer than two of the interpreter's blocks of 16, and weights moved in through the state_dict."""
     config = GPTConfig(kernel="triton", vocab_size=11, block_size=40, n_layer=2, n_head=2, n_embd=32,

@@ -169,7 +169,7 @@ def test_causal(variant):
 
 
 def test_defaults_unchanged():
-    """mlp_hidden=0 is 4D, the same weights drawn in the same order; qk and metric_init default to the spec."""
+    """mlp_hidden=0 is 4D, the same weights drawn in the same order; qk and metric_init default to the paper's model."""
     for fields in (dict(TINY), dict(TINY, attn="mha")):
         torch.manual_seed(0)
         a = GPT(GPTConfig(**fields)).state_dict()
