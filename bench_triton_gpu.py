@@ -9,7 +9,7 @@ and says what it skipped; a row already started runs to its end).
                                             # checks that the script runs, measures nothing useful
     python bench_triton_gpu.py --n_layer=4 --train_configs=config/enwik8.py,config/damcha.py
     python bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --batch_size=32   # model rows alone
-    python bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 \
+    python bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --budget_model=200 \
         --n_embd=512 --n_head=8 --block_size=512 --batch_size=32 --gen_out=folded   # the shipped GPU model
 
 Rows (kind=...), in order:
@@ -18,12 +18,12 @@ Rows (kind=...), in order:
           static metrics, at odd T (1000, 1023, 777) and dh in {8, 16, 48, 64, 128}: the relative
           error (max |a - b| / max |b|) of the kernels and of the torch path (einsum + SDPA)
           against float64, and ok by tests/test_triton.py's bar (float32: 1e-4 forward, 1e-3
-          gradients; 16-bit: no worse than twice the torch path plus 1e-3). One row checks
-          offsets past 2^31 (T = 8192, H = 24, dh = 128).
-  op      the op alone at B=8, H=12, T=1024, dh=64: forward and forward + backward in ms
-          (triton.testing.do_bench: CUDA events, median) of the kernels, of the torch path and of
-          the torch path compiled (torch_compiled: q = x m as inductor fuses it, as in a compiled
-          model), ratios to the torch path; with per-token metrics, the forward's effective
+          gradients; 16-bit: no worse than twice the torch path plus 1e-3), and the configs
+          autotuning chose. One row checks offsets past 2^31 (T = 8192, H = 24, dh = 128).
+  op      the op alone at B=8, H=12, T=1024, dh=64, per-token metrics first: forward and
+          forward + backward in ms (triton.testing.do_bench: CUDA events, median) of the kernels,
+          of the torch path and, in bf16, of the torch path compiled (torch_compiled: q = x m as
+          inductor fuses it, as in a compiled model), ratios to the torch path; with per-token metrics, the forward's effective
           bandwidth on m (bytes of m / forward time) against the device's peak and against a plain
           read of m (impl=read_m: torch's sum over m, a reference for one read of m, not a bound);
           the configs autotuning chose for the kernels.
@@ -31,12 +31,13 @@ Rows (kind=...), in order:
           the GPT at B=8, T=1024, D=768, H=12 (--batch_size, --block_size, --n_embd, --n_head,
           --n_layer, and DAMCHA's --gen_out): MHA, DAMCHA on the torch path and on Triton (its
           generator width giving MHA's parameter count), eager and torch.compile'd: ms per step,
-          tokens/s, MFU, peak memory; then the bf16 gradient agreement of the two DAMCHA paths.
-          First, name=matmul: the MLP's first matmul alone, its TFLOP/s and MFU, the most the
-          model's largest matmuls reach.
-  profile after each model row (--profile=False: none): one step under torch.profiler, its total
-          device time and the kernels that took most of it (CPU time on a CPU), to say where
-          one path's step is slower than another's.
+          tokens/s, MFU, peak memory, time to the end of the first step (compiling). Before
+          them, name=matmul: the MLP's first matmul alone, its TFLOP/s and MFU, the most the
+          model's largest matmuls reach; and name=grad_agreement: the bf16 gradients of the two
+          DAMCHA paths against each other.
+  profile after all the model rows, budget allowing (--profile=False: none): one step of each
+          under torch.profiler, its total device time and the kernels that took most of it (CPU
+          time on a CPU), to say where one path's step is slower than another's.
   train   `python train_char.py <train_configs> --max_iters=30` on the bundled Shakespeare
           (compile on, bf16), with --kernel=triton and on the torch path: exit status, wall time
           and the last loss line.
@@ -51,10 +52,6 @@ import subprocess
 import sys
 import tempfile
 import time
-
-# the profile rows: let the profiler detach from CUDA when it stops (CUPTI teardown, reliable
-# from CUDA 12.6), so that the rows timed after a profile run as fast as those before it
-os.environ.setdefault("TEARDOWN_CUPTI", "1")
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +68,7 @@ DEFAULTS = dict(
     profile=True,                 # profile one step of each model row
     train_configs='config/enwik8.py,config/damcha.py',   # comma-separated config files for the train rows
     train_iters=30,
-    budget_check=100, budget_op=60, budget_model=110, budget_train=70,   # seconds per section
+    budget_check=80, budget_op=60, budget_model=100, budget_train=40,   # seconds per section
 )
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # dense, per device name
 
@@ -110,11 +107,12 @@ def failure(e):
     return f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]
 
 
-def time_ms(fn):
-    """Median ms of fn: CUDA events through triton.testing.do_bench on a GPU; wall time on a CPU."""
+def time_ms(fn, rep=60):
+    """Median ms of fn over about rep ms of calls: CUDA events through triton.testing.do_bench on a
+    GPU; wall time on a CPU."""
     if DEVICE == "cuda":
         import triton.testing
-        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
     fn()
     start = time.perf_counter()
     fn()
@@ -168,7 +166,7 @@ def checks(op, shapes, dtypes, budget):
                 else:
                     ok = all(err[n] < 2 * err_torch[n] + 1e-3 for n in names)
                 emit(**row, ok=ok, err_triton=err, err_torch=err_torch,
-                     triton_vs_torch={n: rel_err(a, b) for n, a, b in zip(names, got, ref)})
+                     triton_vs_torch={n: rel_err(a, b) for n, a, b in zip(names, got, ref)}, configs=tuned_configs())
                 del exact, got, ref
 
 
@@ -201,8 +199,8 @@ def tuned_configs():
 
 def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
     B, H, T, dh = shape
-    for dtype in dtypes:
-        for metric, static in METRICS.items():
+    for metric, static in METRICS.items():          # per-token first: the model's metric
+        for dtype in dtypes:
             row = dict(kind="op", dtype=str(dtype)[6:], metric=metric, B=B, H=H, T=T, dh=dh)
             if budget.over():
                 emit(**row, skipped="time budget")
@@ -211,6 +209,8 @@ def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
             torch._dynamo.reset()   # torch_compiled compiles afresh: earlier rows' graphs count to the recompile limit
             ms = {}
             for impl, op in ops.items():
+                if impl == "torch_compiled" and dtype == torch.float32 and DEVICE == "cuda":
+                    continue    # a compiled model trains in bf16: its compile time goes to the rows that matter
                 try:
                     with torch.no_grad():
                         fwd = time_ms(lambda: op(x, m, v))
@@ -252,6 +252,8 @@ def profile_step(step, top=8):
     device, key = (DeviceType.CUDA, "self_device_time_total") if DEVICE == "cuda" else (DeviceType.CPU, "self_cpu_time_total")
     events = [e for e in prof.key_averages()
               if e.device_type == device and not e.is_user_annotation and getattr(e, key) > 0]
+    if not events:   # a profiler that recorded nothing must not read as a step that took no time
+        raise RuntimeError("the profiler recorded no kernels")
     events.sort(key=lambda e: getattr(e, key), reverse=True)
     return dict(total_ms=round(sum(getattr(e, key) for e in events) / 1e3, 3),
                 top=[[e.key[:80], round(getattr(e, key) / 1e3, 3), e.count] for e in events[:top]])
@@ -262,8 +264,14 @@ def autocast():
     return torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda")
 
 
-def step_row(variant, idx, compiled, peak_flops, profile):
-    """Time one training step of GPT(variant) on the batch idx; with profile, also profile one."""
+def synchronize():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_row(variant, idx, compiled, peak_flops):
+    """Time one training step of GPT(variant) on the batch idx. Returns (row, step), step for the
+    profile that follows all timed rows."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**variant)).to(DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
@@ -276,21 +284,18 @@ def step_row(variant, idx, compiled, peak_flops, profile):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    synchronize()
     start = time.time()
     step()                                               # compiles, if compiled
+    synchronize()
     first_s = time.time() - start
-    ms = time_ms(step)
+    ms = time_ms(step, rep=1000)                         # tens of steps: a step is 20-100 ms
     tokens = idx.numel()
     flops = model.flops_per_token() * tokens / (ms / 1e3)
     row = dict(ms_per_step=round(ms, 2), tokens_per_s=round(tokens / ms * 1e3),
                mfu=None if peak_flops is None else round(flops / peak_flops, 3),
                peak_mib=peak_mib(step), first_step_s=round(first_s, 1))
-    if not profile:
-        return row, None
-    try:
-        return row, profile_step(step)
-    except Exception as e:      # the profiler has not yet run on a GPU here: a failure is reported, not fatal
-        return row, dict(error=failure(e))
+    return row, step
 
 
 def matmul_row(B, T, D, peak_flops):
@@ -304,26 +309,8 @@ def matmul_row(B, T, D, peak_flops):
          tflops=round(flops / 1e12, 1), mfu=None if peak_flops is None else round(flops / peak_flops, 3))
 
 
-def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
-    matmul_row(B, fields["block_size"], fields["n_embd"], peak_flops)
-    mha = dict(fields, attn="mha")
-    damcha = dict(fields, gen_out=gen_out)
-    damcha["gen_width"] = equal_params_width(count_params(mha), damcha)
-    variants = {"mha": mha, "damcha/torch": dict(damcha, kernel="torch"), "damcha/triton": dict(damcha, kernel="triton")}
-    idx = torch.randint(fields["vocab_size"], (B, fields["block_size"]), generator=torch.Generator().manual_seed(0))
-    idx = idx.to(DEVICE)
-    for compiled in (False, True):
-        for name, variant in variants.items():
-            row = dict(kind="model", name=name, compiled=compiled, B=B, params=count_params(variant), **variant)
-            if budget.over() or (compiled and DEVICE != "cuda"):
-                emit(**row, skipped="time budget" if DEVICE == "cuda" else "no GPU")
-                continue
-            timing, profiled = step_row(variant, idx, compiled, peak_flops, profile)
-            emit(**row, **timing)
-            if profiled:
-                emit(kind="profile", name=name, compiled=compiled, B=B, **profiled)
-    if budget.over():
-        return emit(kind="model", name="grad_agreement", skipped="time budget")
+def grad_agreement(damcha, idx):
+    """The bf16 gradients of the two DAMCHA paths (float32 on a CPU), the same weights and batch."""
     grads = {}
     for kernel in ("torch", "triton"):
         torch.manual_seed(0)
@@ -338,6 +325,37 @@ def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
          max_rel_err=errs[worst], worst_param=worst, median_rel_err=sorted(errs.values())[len(errs) // 2])
 
 
+def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
+    """The matmul row, the gradient agreement, every timed step, then (budget allowing) the
+    profiles: after all the timing, so that no profiler is attached while a row is timed."""
+    matmul_row(B, fields["block_size"], fields["n_embd"], peak_flops)
+    mha = dict(fields, attn="mha")
+    damcha = dict(fields, gen_out=gen_out)
+    damcha["gen_width"] = equal_params_width(count_params(mha), damcha)
+    variants = {"mha": mha, "damcha/torch": dict(damcha, kernel="torch"), "damcha/triton": dict(damcha, kernel="triton")}
+    idx = torch.randint(fields["vocab_size"], (B, fields["block_size"]), generator=torch.Generator().manual_seed(0))
+    idx = idx.to(DEVICE)
+    grad_agreement(damcha, idx)
+    steps = {}
+    for compiled in (False, True):
+        for name, variant in variants.items():
+            row = dict(kind="model", name=name, compiled=compiled, B=B, params=count_params(variant), **variant)
+            if budget.over() or (compiled and DEVICE != "cuda"):
+                emit(**row, skipped="time budget" if DEVICE == "cuda" else "no GPU")
+                continue
+            timing, steps[name, compiled] = step_row(variant, idx, compiled, peak_flops)
+            emit(**row, **timing)
+    for (name, compiled), step in steps.items() if profile else ():
+        row = dict(kind="profile", name=name, compiled=compiled, B=B)
+        if budget.over():
+            emit(**row, skipped="time budget")
+            continue
+        try:
+            emit(**row, **profile_step(step))
+        except Exception as e:      # the profiler has not yet run on a GPU here: a failure is reported, not fatal
+            emit(**row, error=failure(e))
+
+
 def train_rows(config_files, iters, smoke, budget):
     # smoke: the triton path only (tests/test_train.py runs the torch one), a 1-layer model
     for kernel in ("triton",) if smoke else ("triton", "torch"):   # the kernel first: the budget may stop the second
@@ -348,16 +366,16 @@ def train_rows(config_files, iters, smoke, budget):
         with tempfile.TemporaryDirectory() as out_dir:
             argv = [sys.executable, "train_char.py", *config_files, "--dataset=shakespeare", f"--max_iters={iters}",
                     f"--lr_decay_iters={iters}", "--warmup_iters=0", f"--eval_interval={iters}", "--eval_iters=1",
-                    "--log_interval=10", f"--out_dir={out_dir}", f"--kernel={kernel}"]
+                    "--log_interval=10", "--max_new_tokens=50", f"--out_dir={out_dir}", f"--kernel={kernel}"]
             if smoke:
                 argv += ["--device=cpu", "--compile=False", "--n_layer=1", "--n_embd=32", "--n_head=2",
                          "--block_size=16", "--batch_size=2", "--dropout=0.0", "--gen_width=16"]
             env = dict(os.environ, TRITON_INTERPRET="1") if smoke else os.environ
             start = time.time()
-            try:
+            try:    # a row that starts is given 2 minutes at least: the last H200 run's took 83-85 s
                 done = subprocess.run(argv, capture_output=True, text=True, env=env,
                                       cwd=os.path.dirname(os.path.abspath(__file__)),
-                                      timeout=max(10.0, budget.end - time.time() + 30))
+                                      timeout=max(120.0, budget.end - time.time() + 30))
             except subprocess.TimeoutExpired:
                 emit(**row, skipped="time budget: stopped", wall_s=round(time.time() - start, 1))
                 continue
@@ -371,6 +389,10 @@ def main(argv):
     smoke = cfg["smoke"]
     if DEVICE == "cpu" and not smoke:
         die("no CUDA GPU: run with --smoke to check the script on the CPU")
+    try:    # a model the model rows cannot build is refused now, not after the sections before them
+        GPTConfig(**{k: cfg[k] for k in ("block_size", "n_layer", "n_head", "n_embd", "gen_out")})
+    except ValueError as e:
+        die(f"invalid model: {e}")
     # the interpreter must be chosen before damcha_triton defines its kernels, hence the late imports
     if smoke and DEVICE == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -29,6 +29,7 @@ from configurator import die
 from damcha_torch import GPT, GPTConfig
 
 HELD = []   # this process's lock on its training run's out_dir (lock_out_dir), while the run lasts
+DIVERGED = 3   # train_char.py's exit status when a non-finite loss stopped the run (reproduce.py reads it)
 
 
 def load_checkpoint(out_dir):
@@ -45,8 +46,17 @@ def load_checkpoint(out_dir):
     needed = ('model', 'optimizer', 'scaler', 'model_args', 'config', 'vocab', 'iter_num', 'best_val_loss',
               'tokens', 'elapsed', 'rng')
     missing = [k for k in needed if k not in ckpt] if isinstance(ckpt, dict) else ['everything']
-    if missing or not all(isinstance(ckpt[k], dict) for k in ('model', 'model_args', 'config')):
+    if missing or not all(isinstance(ckpt[k], dict) for k in ('model', 'model_args', 'config', 'optimizer')):
         die(f"{path} is not a checkpoint of train_char.py (it lacks {', '.join(missing) or 'the right types'})")
+    numbers = dict(iter_num=int, tokens=int, best_val_loss=(int, float), elapsed=(int, float))
+    wrong = [k for k, kind in numbers.items() if type(ckpt[k]) is bool or not isinstance(ckpt[k], kind)]
+    if wrong:
+        die(f"{path} is damaged: {', '.join(wrong)} should be numbers")
+    # bytes overwritten inside a tensor still load: say so now, not as a diverging loss later
+    state = [t for s in ckpt['optimizer'].get('state', {}).values() if isinstance(s, dict) for t in s.values()]
+    if not all(torch.isfinite(t).all() for t in [*ckpt['model'].values(), *state]
+               if isinstance(t, torch.Tensor) and t.is_floating_point()):
+        die(f"{path} is damaged: it holds weights or optimizer state that are not finite numbers")
     return ckpt
 
 
@@ -168,14 +178,17 @@ def pick_device(name, local_rank):
     return f'cuda:{local_rank}' if name == 'cuda' else name
 
 
-def check_kernel(kernel, device):
-    # the fused kernel runs on CUDA, or on the CPU in Triton's interpreter (as the tests run it)
+def check_kernel(kernel, device, dtype):
+    # the fused kernel runs on CUDA, or on the CPU in Triton's interpreter (as the tests run it),
+    # which runs it in float32 only
     if kernel != 'triton':
         return
     if importlib.util.find_spec('triton') is None:
         die("kernel=triton needs the triton package (pip install triton); use --kernel=torch")
     if not device.startswith('cuda') and os.environ.get('TRITON_INTERPRET') != '1':
         die(f"kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 on a CPU), not {device}; use --kernel=torch")
+    if not device.startswith('cuda') and dtype != 'float32':
+        die(f"kernel=triton on a CPU runs in Triton's interpreter, in float32 only, not {dtype}; use --dtype=float32")
 
 
 def autocast_for(device, dtype):

@@ -37,7 +37,7 @@ def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=No
             key, eq, text = arg[2:].partition('=')
             if not eq and type(defaults.get(key)) is bool:
                 text = 'True'
-            elif not eq:
+            elif not eq and key in defaults:   # an unknown --key is said below, with a suggestion
                 die(f"{arg}: options are written --key=value")
             updates, from_text = {key: text}, True
         elif os.path.isfile(arg):

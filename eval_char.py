@@ -65,8 +65,8 @@ def load_for_inference(cfg, given):
     ckpt = load_checkpoint(cfg['out_dir'])
     cfg, model_args = from_checkpoint(ckpt, cfg, given)
     device = pick_device(cfg['device'], 0)
-    check_kernel(model_args['kernel'], device)
-    _, ctx = autocast_for(device, cfg['dtype'])
+    dtype, ctx = autocast_for(device, cfg['dtype'])
+    check_kernel(model_args['kernel'], device, dtype)
     model = build_model(model_args, ckpt).to(device)
     model.eval()
     return ckpt, cfg, model, device, ctx

@@ -62,7 +62,7 @@ import time
 import numpy as np
 import torch
 
-from checkpoint import pick_device
+from checkpoint import DIVERGED, pick_device
 from configurator import configure, die
 from damcha_torch import GPTConfig, count_params, equal_params_width
 from data.prepare import atomic_write, load_dataset
@@ -130,7 +130,7 @@ def parse_options(argv):
             passthrough[key] = value
         else:
             die(f"{arg}: options are written --key=value")
-    opts, given = configure(OPTIONS, own, doc=__doc__)
+    opts, given = configure(OPTIONS, own, positive=('seeds',), non_negative=('max_iters',), doc=__doc__)
     if opts['study'] not in ('', '2x2'):
         die(f"study must be '' (issue 7's sweep) or '2x2', not {opts['study']!r}")
     if opts['regime'] not in REGIMES:
@@ -143,6 +143,17 @@ def parse_options(argv):
     for v in opts['variants'].split(','):
         if v and v not in table:
             die(f"unknown variant {v!r}; the variants are {', '.join(table)}")
+    if not any(opts['variants'].split(',')):   # nothing to run would still rewrite the summary
+        die(f"variants names no variant; the variants are {', '.join(table)}")
+    if opts['study'] and opts['regime'] == 'lr':
+        if opts['dataset'] != 'shakespeare':
+            die("the learning-rate sweep scores a held-out slice of the bundled corpus: it takes no --dataset")
+        try:
+            grid = [float(r) for r in opts['lr_grid'].split(',') if r]
+        except ValueError:
+            grid = []
+        if not grid or not all(math.isfinite(r) and r > 0 for r in grid):
+            die(f"lr_grid={opts['lr_grid']!r}: give positive learning rates, comma-separated, e.g. 1e-3,2e-3,4e-3")
     pick_device(opts['device'], 0)     # a device this machine lacks is refused before any download
     return opts, passthrough
 
@@ -218,8 +229,9 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
         if run == opts['snapshot']:
             cmd.append('--snapshot_iters=' + ','.join(str(round(f * max_iters)) for f in SNAPSHOT_AT))
         print(f"train {run} ({note}): {' '.join(cmd[1:])}", flush=True)
-        if subprocess.run(cmd).returncode:
-            if not may_diverge:
+        returncode = subprocess.run(cmd).returncode
+        if returncode:
+            if not (may_diverge and returncode == DIVERGED):
                 die(f"training {run} failed (its output is above); rerun to resume it")
             result = dict(failed=True, val_bpc=float('inf')) | (extra or {})
             with atomic_write(os.path.join(results, run + '.eval.json')) as f:
@@ -549,9 +561,21 @@ def study(opts, passthrough):
 
 def main(argv):
     opts, passthrough = parse_options(argv)
-    if opts['study']:
-        opts['snapshot'] = opts['snapshot'] if opts['snapshot'] != 'damcha-seed1' else ''
-        return study(opts, passthrough)
+    try:
+        if opts['study']:
+            opts['snapshot'] = opts['snapshot'] if opts['snapshot'] != 'damcha-seed1' else ''
+            study(opts, passthrough)
+        else:
+            sweep(opts, passthrough)
+    except KeyboardInterrupt:   # Ctrl-C reaches train_char.py too, which keeps its last checkpoint
+        print("interrupted: finished runs are kept, and the same command resumes the rest", file=sys.stderr)
+        raise SystemExit(130)
+    except OSError as e:        # a results folder that cannot be made, a full disk: the system's reason
+        die(e)
+
+
+def sweep(opts, passthrough):
+    """The character-level comparison: every variant for --seeds seeds, then the summary."""
     dataset, variants = opts['dataset'], [v for v in opts['variants'].split(',') if v]
     results = opts['results'] or os.path.join(HERE, 'results', 'charlevel', os.path.basename(dataset))
     out_root = opts['out_root'] or os.path.join(HERE, 'out-reproduce', os.path.basename(dataset))

@@ -63,6 +63,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -265,14 +266,27 @@ def parse_list(key, text, kind):
 
 def read_settings(argv):
     """-> (settings of configure, lambdas, dims, out_dir); bad input ends in one line (die)."""
-    cfg, _ = configure(SETTINGS, argv, positive=("steps", "batch", "lr", "n_layer", "seeds", "workers"), doc=__doc__)
+    cfg, given = configure(SETTINGS, argv, positive=("steps", "batch", "lr", "n_layer", "seeds", "workers"), doc=__doc__)
     lambdas, dims = parse_list("lambdas", cfg["lambdas"], float), parse_list("dims", cfg["dims"], int)
     if any(d < 1 for d in dims):
         die(f"dims must be positive, not {cfg['dims']}")
+    if not all(math.isfinite(lam) for lam in lambdas):
+        die(f"lambdas must be finite numbers, not {cfg['lambdas']}")
     if cfg["quick"]:
+        overridden = sorted(given & {"steps", "seeds", "lambdas", "dims"})
+        if overridden:
+            die(f"--quick sets steps, seeds, lambdas and dims itself: drop {', '.join('--' + k for k in overridden)}")
         cfg["steps"], cfg["seeds"], lambdas, dims = 20, 1, (0.0, 1.0), (4, 8)
+    if not lambdas and not dims:   # nothing to run would still rewrite the results as empty
+        die("lambdas and dims are both empty: there is nothing to run")
     out_dir = cfg["out"] or ("/tmp/synthetic_quick" if cfg["quick"] else os.path.join(os.path.dirname(
         os.path.abspath(__file__)), "results", "synthetic"))
+    try:   # made now: a folder that cannot be written would otherwise lose every job's result at the end
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        die(f"out={out_dir}: {e.strerror or e}")
     return cfg, lambdas, dims, out_dir
 
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (HELD, append_jsonl, autocast_for, build_model, check_kernel, check_run_settings, from_checkpoint,
+from checkpoint import (DIVERGED, HELD, append_jsonl, autocast_for, build_model, check_kernel, check_run_settings, from_checkpoint,
                         load_checkpoint, lock_out_dir, model_config, pick_device, read_jsonl, why)
 from configurator import configure, die
 from damcha_torch import GPT, GPTConfig, get_lr
@@ -106,7 +106,7 @@ def parse_config(argv):
     cfg, given = configure(DEFAULTS, argv, CHOICES, POSITIVE, NON_NEGATIVE, doc=__doc__)
     try:   # a dataset config file names its runs' folders after the model: out-enwik8-{attn}
         cfg['out_dir'] = cfg['out_dir'].format(**cfg)
-    except (KeyError, IndexError, ValueError) as e:
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
         die(f"out_dir={cfg['out_dir']!r}: braces must hold a setting's name, as in out-enwik8-{{attn}} ({e!r})")
     check_run_settings(cfg)
     for key in ('beta1', 'beta2'):   # Adam's moment decay rates
@@ -118,16 +118,16 @@ def parse_config(argv):
 # ---------------------------------------------------------------------------------------------
 # Checkpoints (reading them, the logs, the lock and the model: checkpoint.py)
 
-def parse_iters(text, max_iters):
-    """'0,1000,5000' -> {0, 1000, 5000}; anything else, or an iteration the run never reaches, is a
-    one-line error."""
+def parse_iters(text, start, max_iters):
+    """'0,1000,5000' -> {0, 1000, 5000}; anything else, or an iteration the run never reaches (from
+    start, where a resumed run begins, to max_iters), is a one-line error."""
     try:
         iters = {int(t) for t in text.split(',') if t.strip()}
     except ValueError:
         die(f"snapshot_iters={text!r}: give iterations as comma-separated whole numbers, e.g. 0,1000,5000")
-    outside = sorted(i for i in iters if not 0 <= i <= max_iters)
+    outside = sorted(i for i in iters if not start <= i <= max_iters)
     if outside:
-        die(f"snapshot_iters: {outside} outside this run's iterations 0..{max_iters}")
+        die(f"snapshot_iters: {outside} outside this run's iterations {start}..{max_iters}")
     return iters
 
 
@@ -158,8 +158,17 @@ def save(run, name, obj):
         with atomic_write(run.path(name)) as f:
             torch.save(obj, f)
     except Exception as e:
+        if interrupted(e):   # Ctrl-C inside torch.save, which reports it as an error of its own
+            raise KeyboardInterrupt from None
         die(f"could not save {run.path(name)}: {why(e)}; the partial file was removed; "
             + last_good(run))
+
+
+def interrupted(e):
+    """Whether a Ctrl-C (KeyboardInterrupt) is among the exceptions that led to e."""
+    while e is not None and not isinstance(e, KeyboardInterrupt):
+        e = e.__context__
+    return e is not None
 
 
 def last_good(run):
@@ -241,6 +250,8 @@ def resolve(cfg, given):
         if ckpt['iter_num'] >= cfg['max_iters']:
             die(f"the checkpoint is at iter {ckpt['iter_num']} and max_iters={cfg['max_iters']}: "
                 "raise max_iters to train further")
+        if 'snapshot_iters' in given:   # asked for now: none before the resume (those saved earlier are kept)
+            parse_iters(cfg['snapshot_iters'], ckpt['iter_num'], cfg['max_iters'])
     elif os.path.exists(os.path.join(cfg['out_dir'], 'ckpt.pt')):
         die(f"{os.path.join(cfg['out_dir'], 'ckpt.pt')} exists: continue it with --init_from=resume, "
             "or choose another --out_dir")
@@ -265,13 +276,13 @@ def start_processes(cfg, model_args, ckpt):
     ddp = 'RANK' in os.environ
     rank, local_rank, world = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
                                int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
-    snapshots = parse_iters(cfg['snapshot_iters'], cfg['max_iters'])
+    snapshots = parse_iters(cfg['snapshot_iters'], 0, cfg['max_iters'])
     if cfg['gradient_accumulation_steps'] % world:
         die(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple of "
             f"the {world} processes")
     device = pick_device(cfg['device'], local_rank)
-    check_kernel(model_args['kernel'], device)
     dtype, ctx = autocast_for(device, cfg['dtype'])
+    check_kernel(model_args['kernel'], device, dtype)
     if ddp:
         dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
         if device.startswith('cuda'):
@@ -339,10 +350,15 @@ def start_logs(run):
           f"device {run.device}, {run.dtype}")
 
 
+class Diverged(Exception):
+    """A non-finite loss: train() says it in one line and exits with status DIVERGED, which tells
+    a sweep (reproduce.py) that the run diverged rather than failed."""
+
+
 def stop(run, what, value, it):
     """A non-finite loss ends the run, on every process, without saving the bad weights."""
-    die(f"the {what} loss became {value} at iter {it}; stopped without saving: {last_good(run)}; "
-        "try a lower learning_rate")
+    raise Diverged(f"the {what} loss became {value} at iter {it}; stopped without saving: {last_good(run)}; "
+                   "try a lower learning_rate")
 
 
 def log_losses(run, bar):
@@ -500,6 +516,10 @@ def train(cfg, given):
                     if run.saved_iter is not None else "no checkpoint was written yet: a rerun starts from scratch"),
                     file=sys.stderr)
             raise SystemExit(130)
+        except Diverged as e:   # raised inside the progress bar's with-block, said once it is closed
+            if run.master:
+                print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(DIVERGED)
     finally:   # the process ending releases the lock anyway; this is for train() called in-process
         while HELD:
             HELD.pop().close()
@@ -540,7 +560,9 @@ def train_run(run):
 
 
 def show_config(cfg, given):
-    """The settings a run of these arguments starts from, as JSON (reproduce.py reads them)."""
+    """The settings a run of these arguments starts from, as JSON (reproduce.py reads them); a
+    model it could not build is refused, as the run would refuse it."""
+    model_config({k: cfg[k] for k in MODEL_KEYS} | {'vocab_size': cfg['vocab_size'] or 1})
     print(json.dumps(cfg, indent=2))
 
 

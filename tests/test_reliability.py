@@ -209,6 +209,30 @@ def test_ctrl_c_says_where_training_stopped_and_where_a_resume_starts(tmp_path, 
     assert resume_from == torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] and 5 <= resume_from <= stopped
 
 
+def test_ctrl_c_inside_a_save_stops_as_ctrl_c_does(tmp_path, data_dir, monkeypatch, capsys):
+    """torch.save reports a Ctrl-C that lands inside it as an error of its own (a RuntimeError
+    whose context is the KeyboardInterrupt): the run still stops as Ctrl-C stops it, status 130
+    and where a resume starts, and the checkpoint before stays whole."""
+    out, real_save, saves = tmp_path / 'out', torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        saves.append(f)
+        if len(saves) < 2:
+            return real_save(obj, f, *args, **kwargs)
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 48581312 vs 48581200')
+    monkeypatch.setattr(torch, 'save', save)
+    with pytest.raises(SystemExit) as e:
+        tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--eval_interval=5', '--max_iters=20'])
+    monkeypatch.undo()
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 130 and last == f'interrupted at iter 10: a resume (--init_from=resume) starts from {out}/ckpt.pt at iter 5'
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 5
+    assert sorted(os.listdir(out)) == ['ckpt.pt', 'log.jsonl', 'train.lock', 'train_log.jsonl']
+
+
 # ---------------------------------------------------------------------------------------------
 # Settings that pass the type check but not the library underneath: one line
 
@@ -278,6 +302,27 @@ def test_damcha_numpy_checks_before_training_and_stops_on_a_non_finite_loss(tmp_
 
 # ---------------------------------------------------------------------------------------------
 # Messages about checkpoints
+
+def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, data_dir):
+    """A checkpoint that loads but holds a wrong-typed count or a non-finite weight or optimizer
+    moment (bytes overwritten inside a tensor) is one line at resume, and never changed."""
+    good = tmp_path / 'good'
+    tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={good}', '--eval_interval=4', '--max_iters=4'])
+    ckpt = torch.load(good / 'ckpt.pt', weights_only=True)
+    damaged = {'iter_num': dict(ckpt, iter_num='4'), 'best_val_loss': dict(ckpt, best_val_loss='x'),
+               'weight': dict(ckpt, model=dict(ckpt['model'], **{'wte.weight': ckpt['model']['wte.weight'] * float('nan')}))}
+    moments = {k: dict(s) for k, s in ckpt['optimizer']['state'].items()}
+    moments[0]['exp_avg_sq'] = moments[0]['exp_avg_sq'] * float('inf')
+    damaged['moment'] = dict(ckpt, optimizer=dict(ckpt['optimizer'], state=moments))
+    for name, bad in damaged.items():
+        (tmp_path / name).mkdir()
+        torch.save(bad, tmp_path / name / 'ckpt.pt')
+        before = digest(tmp_path / name / 'ckpt.pt')
+        message = fails('--init_from=resume', f'--out_dir={tmp_path / name}', f'--data_dir={data_dir}', '--max_iters=8')
+        assert 'is damaged: ' + ('it holds weights or optimizer state that are not finite' if name in ('weight', 'moment')
+                                 else f'{name} should be numbers') in message, message
+        assert digest(tmp_path / name / 'ckpt.pt') == before
+
 
 def test_damaged_checkpoints_get_one_line_that_recommends_nothing_unsafe(tmp_path):
     (tmp_path / 'empty').mkdir()

@@ -133,3 +133,45 @@ def test_a_missing_device_is_refused_before_any_download(tmp_path):
     assert p.returncode == 1
     assert p.stderr.strip().splitlines() == ["error: device=cuda, but this machine has no CUDA device"]
     assert not (tmp_path / 'data').exists() and not (tmp_path / 'results').exists()
+
+
+def refusal(*argv):
+    """The one line reproduce.main exits with for argv."""
+    with pytest.raises(SystemExit) as e:
+        reproduce.main(list(argv))
+    assert isinstance(e.value.code, str) and '\n' not in e.value.code, e.value.code
+    return e.value.code
+
+
+def test_settings_that_would_run_nothing_or_fail_late_are_refused_first(tmp_path):
+    """A sweep of nothing would rewrite the committed summary as an empty table; a bad model or
+    results folder would fail after the data are prepared: each is one line, before anything runs."""
+    results = f"--results={tmp_path / 'results'}"
+    assert 'seeds must be positive, not 0' in refusal('--seeds=0', results)
+    assert 'variants names no variant' in refusal('--variants=', results)
+    assert 'variants names no variant' in refusal('--variants=,', results)
+    for grid in ('abc', '-1e-3', 'nan', ''):
+        assert f"lr_grid={grid!r}: give positive learning rates" in refusal('--study=2x2', '--regime=lr', f'--lr_grid={grid}')
+    assert 'takes no --dataset' in refusal('--study=2x2', '--regime=lr', '--dataset=notes.txt')
+    assert 'n_embd (30) must be divisible by n_head (4)' in refusal('--n_embd=30', '--device=cpu', results)
+    (tmp_path / 'a_file').write_text('')
+    assert 'Not a directory' in refusal('--device=cpu', '--variants=mha', '--seeds=1', f"--data_dir={tmp_path / 'data'}",
+                                    f"--results={tmp_path / 'a_file' / 'results'}")
+    assert not (tmp_path / 'results').exists()
+
+
+def test_only_a_diverged_run_is_recorded_as_diverged(tmp_path):
+    """In the LR sweep a run that diverges (train_char.py's exit status DIVERGED) is recorded as
+    failed with val bpc inf; a run that fails for any other reason stops the sweep."""
+    tiny = dict(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=4, max_iters=20, eval_interval=10,
+                eval_iters=1, device='cpu', data_dir=str(tmp_path / 'data'), gen_width=8)
+    opts = dict(snapshot='', device='cpu')
+    (tmp_path / 'results').mkdir()
+    with pytest.raises(SystemExit, match='training bad failed'):
+        reproduce.train_and_evaluate('bad', str(tmp_path / 'bad'), (), tiny | dict(vocab_size=2), 20, opts,
+                                     str(tmp_path / 'results'), 'too small a vocabulary', may_diverge=True)
+    assert not (tmp_path / 'results' / 'bad.eval.json').exists()
+    result = reproduce.train_and_evaluate('hot', str(tmp_path / 'hot'), (), tiny | dict(learning_rate=1e30), 20, opts,
+                                          str(tmp_path / 'results'), 'a learning rate that diverges', may_diverge=True)
+    assert result == dict(failed=True, val_bpc=float('inf'))
+    assert json.loads((tmp_path / 'results' / 'hot.eval.json').read_text())['failed'] is True

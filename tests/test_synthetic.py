@@ -94,8 +94,17 @@ def test_prediction_is_read_at_the_last_position():
     assert (model(x3) - y).abs().min() > 1e-4
 
 
-def test_tiny_run_is_finite():
+@pytest.fixture
+def one_thread():
+    """One thread, as run_point trains, and the process's count back afterwards: a later test
+    comparing an in-process run with a subprocess's needs the same count in both."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tiny_run_is_finite(one_thread):
     settings = dict(steps=5, batch=16, lr=3e-3, n_layer=1)
     reg = syn.regression_data(1.0, d_e=4, seed=0, n_train=256, n_test=64)
     cls = syn.classification_data(4, seed=0, n_train=256, n_test=64)
@@ -132,17 +141,22 @@ def test_committed_sweep_is_complete():
     (["--lambdas=0,x"], "expected a comma list of floats"),
     (["--dims=4,0"], "dims must be positive"),
     (["--steps=2.5"], "expected int"),
+    (["--lambdas=", "--dims="], "there is nothing to run"),     # it would rewrite the results as empty
+    (["--lambdas=0,nan", "--dims="], "lambdas must be finite numbers"),
+    (["--quick", "--steps=500", "--seeds=5"], "drop --seeds, --steps"),
+    (["--out=/dev/null/results"], "out=/dev/null/results: "),  # refused before any training, not after
 ])
 def test_bad_settings_are_refused(args, message):
     with pytest.raises(SystemExit) as refused:
         syn.read_settings(args)
-    assert message in str(refused.value)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_settings_lists_and_quick():
-    cfg, lambdas, dims, out_dir = syn.read_settings(["--workers=1", "--lambdas=0,0.6,1", "--dims=", "--out=/tmp/x"])
-    assert (cfg["workers"], lambdas, dims, out_dir) == (1, (0.0, 0.6, 1.0), (), "/tmp/x")
-    cfg, lambdas, dims, _ = syn.read_settings(["--quick"])
+def test_settings_lists_and_quick(tmp_path):
+    out = str(tmp_path / "x")
+    cfg, lambdas, dims, out_dir = syn.read_settings(["--workers=1", "--lambdas=0,0.6,1", "--dims=", f"--out={out}"])
+    assert (cfg["workers"], lambdas, dims, out_dir) == (1, (0.0, 0.6, 1.0), (), out)
+    cfg, lambdas, dims, _ = syn.read_settings(["--quick", f"--out={out}"])
     assert (cfg["steps"], cfg["seeds"], lambdas, dims) == (20, 1, (0.0, 1.0), (4, 8))
 
 

@@ -209,6 +209,20 @@ def test_full_output_never_builds_M():
     assert mode.largest < 4 * 16 * 16 * 16 / 2
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_static_metric_never_builds_per_position_metrics(share):
+    """A static metric m_i (H, dh, dh) is one matrix per head: its gradient is a sum over positions
+    of x^T dq, which must not be formed position by position as a (B, T, H, dh, dh) tensor
+    (B*T*H*dh*dh = 65,536 entries here, 16 times the largest legitimate tensor, the MLP's weight)."""
+    config = GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=64, adaptive=False, share=share)
+    model = GPT(config)
+    idx = tokens(config, (2, 16), 8)
+    with LargestTensor() as mode:
+        _, loss = model(idx, idx)
+        loss.backward()
+    assert mode.largest <= 64 * 4 * 64
+
+
 def test_shared_metric_gradient_is_elementwise():
     """With share=True every layer adds its own dm = x^T dq, as large as m, to m's gradient.
     The backward must form it as an elementwise product (MetricQuery), never as a matmul output:

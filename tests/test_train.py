@@ -11,6 +11,7 @@ torchrun included, runs as a subprocess where exit codes and tracebacks are the 
 import functools
 import hashlib
 import http.server
+import importlib.util
 import json
 import os
 import subprocess
@@ -134,6 +135,9 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     assert 'must be positive' in fails('--batch_size=0')
     assert 'no such config file' in fails('config/none.py')
     assert '--key=value' in fails('--max_iters')
+    assert "unknown setting 'compil' in --compil; did you mean 'compile'?" in fails('--compil')
+    for pattern in ('out-{attn.x}', 'out-{n_layer[0]}', 'out-{}'):
+        assert 'braces must hold a setting' in fails(f'--out_dir={pattern}')
     assert 'comma-separated whole numbers' in fails('--snapshot_iters=0,half', f'--out_dir={tmp_path / "out"}')
     assert "outside this run's iterations" in fails('--snapshot_iters=0,2001', f'--out_dir={tmp_path / "out"}')
     broken = tmp_path / 'broken.py'
@@ -148,10 +152,22 @@ def test_command_line_errors_have_no_traceback():
     for args, words in [(['--no_such_flag=1'], 'unknown setting'), (['--max_iters=ten'], 'expected int'),
                         (['--dataset=no/such/file.txt'], 'neither'),
                         (['--n_embd=30', '--n_head=4'], 'divisible'), (['--n_head=0'], 'at least 1'),
-                        (['--kernel=triton', '--device=cpu'], 'kernel=triton needs')]:
+                        (['--kernel=triton', '--device=cpu'], 'kernel=triton needs'),
+                        (['--n_embd=30', '--n_head=4', '--mode=config'], 'divisible')]:   # as the run would
         result = cli(*args, '--out_dir=/nonexistent/never-written')
         assert result.returncode != 0 and words in result.stderr, result.stderr
         assert result.stderr.strip().count('\n') == 0 and 'Traceback' not in result.stderr, result.stderr
+
+
+def test_the_interpreted_kernel_is_refused_in_16_bit(monkeypatch):
+    """Triton's interpreter (the kernel on a CPU) runs in float32 only: bf16 is one line, not a
+    traceback from inside the op."""
+    if importlib.util.find_spec('triton') is None:   # found, not imported: tests/test_triton.py picks its mode first
+        pytest.skip("needs the triton package")
+    monkeypatch.setenv('TRITON_INTERPRET', '1')
+    with pytest.raises(SystemExit, match="in float32 only, not bfloat16; use --dtype=float32"):
+        checkpoint.check_kernel('triton', 'cpu', 'bfloat16')
+    checkpoint.check_kernel('triton', 'cpu', 'float32')
 
 
 def test_config_mode_prints_the_composed_settings():
@@ -334,7 +350,14 @@ def test_ddp_ranks_waiting_for_missing_data_stop_in_one_line(tmp_path):
     assert "RuntimeError" not in result.stderr
 
 
-def test_non_finite_loss_stops_and_keeps_the_checkpoint(trained, monkeypatch, tmp_path):
+def test_snapshots_asked_for_at_a_resume_lie_ahead_of_it(trained):
+    """Snapshots before the checkpoint's iteration would never be written: refused, not skipped."""
+    assert "snapshot_iters: [5] outside this run's iterations 20..40" in fails(
+        '--init_from=resume', f'--out_dir={trained}', '--max_iters=40', '--snapshot_iters=5,30')
+
+
+def test_non_finite_loss_stops_and_keeps_the_checkpoint(trained, monkeypatch, tmp_path, capsys):
+    """One line, the exit status that tells reproduce.py the run diverged, the checkpoint untouched."""
     class Diverging(tc.GPT):
         def forward(self, idx, targets=None, **kwargs):
             logits, loss = super().forward(idx, targets, **kwargs)
@@ -342,8 +365,11 @@ def test_non_finite_loss_stops_and_keeps_the_checkpoint(trained, monkeypatch, tm
 
     before = digest(trained / 'ckpt.pt')
     monkeypatch.setattr(checkpoint, 'GPT', Diverging)   # build_model's GPT
-    message = fails('--init_from=resume', f'--out_dir={trained}', '--max_iters=40')
-    assert 'training loss became nan at iter 20' in message and 'iter 20) is the last good checkpoint' in message
+    with pytest.raises(SystemExit) as e:
+        run('--init_from=resume', f'--out_dir={trained}', '--max_iters=40')
+    assert e.value.code == checkpoint.DIVERGED
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith('error: the training loss became nan at iter 20') and 'iter 20) is the last good checkpoint' in message
     assert digest(trained / 'ckpt.pt') == before
 
 

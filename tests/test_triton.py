@@ -235,7 +235,8 @@ def test_torch_compile_traces_through_the_op():
 
 def test_bench_triton_gpu_smoke():
     """python bench_triton_gpu.py --smoke --profile=True: every section runs and prints JSON rows;
-    its checks pass, each model row is profiled, and its train_char.py run with --kernel=triton exits 0."""
+    its checks pass, each timed model row is profiled once all are timed (no profiler attached
+    while a row is timed), and its train_char.py run with --kernel=triton exits 0."""
     root = os.path.dirname(damcha_triton.__file__)
     done = subprocess.run([sys.executable, "bench_triton_gpu.py", "--smoke", "--profile=True"], capture_output=True,
                           text=True, cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
@@ -245,6 +246,7 @@ def test_bench_triton_gpu_smoke():
     assert kinds[0] == "setup" and kinds[-1] == "done" and {"check", "op", "model", "train"} <= set(kinds)
     assert not [row for row in rows if "error" in row]
     assert all(row["ok"] for row in rows if row["kind"] == "check")
+    assert all("BLOCK" in config for row in rows if row["kind"] == "check" for config in row["configs"].values())
     ops = [row for row in rows if row["kind"] == "op"]
     assert {row["impl"] for row in ops} == {"read_m", "torch", "torch_compiled", "triton"}
     assert all(row["m_GBps"] > 0 if row["impl"] == "read_m" else row["fwd_ms"] > 0 for row in ops)
@@ -254,9 +256,18 @@ def test_bench_triton_gpu_smoke():
     profiled = [row for row in rows if row["kind"] == "profile"]
     timed = [row for row in rows if row["kind"] == "model" and "ms_per_step" in row]
     assert [row["name"] for row in profiled] == [row["name"] for row in timed] and timed
+    position = {id(row): i for i, row in enumerate(rows)}
+    assert max(position[id(row)] for row in rows if row["kind"] == "model") < min(position[id(row)] for row in profiled)
     assert all(row["total_ms"] >= row["top"][0][1] > 0 for row in profiled)
     agreement = next(row for row in rows if row.get("name") == "grad_agreement")
-    assert agreement["max_rel_err"] < GRAD_TOL
+    assert agreement["max_rel_err"] < GRAD_TOL and position[id(agreement)] < position[id(timed[0])]
+
+
+def test_a_profile_that_records_nothing_is_an_error():
+    """A profiler that recorded no kernels must not read as a step of 0 ms."""
+    import bench_triton_gpu
+    with pytest.raises(RuntimeError, match="recorded no kernels"):
+        bench_triton_gpu.profile_step(lambda: None)
 
 
 def test_autotuning_keeps_one_choice_per_kind_of_metric():
