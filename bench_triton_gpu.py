@@ -325,13 +325,21 @@ def grad_agreement(damcha, idx):
          max_rel_err=errs[worst], worst_param=worst, median_rel_err=sorted(errs.values())[len(errs) // 2])
 
 
-def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
-    """The matmul row, the gradient agreement, every timed step, then (budget allowing) the
-    profiles: after all the timing, so that no profiler is attached while a row is timed."""
-    matmul_row(B, fields["block_size"], fields["n_embd"], peak_flops)
+def model_variants(fields, gen_out):
+    """MHA's fields and DAMCHA's, its generator width giving MHA's parameter count."""
     mha = dict(fields, attn="mha")
     damcha = dict(fields, gen_out=gen_out)
     damcha["gen_width"] = equal_params_width(count_params(mha), damcha)
+    return mha, damcha
+
+
+def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
+    """The matmul row, the gradient agreement, every timed step, then (budget allowing) the
+    profiles: after all the timing, so that no profiler is attached while a row is timed."""
+    if budget.over():   # --budget_model=0: the section is skipped
+        return emit(kind="model", skipped="time budget")
+    matmul_row(B, fields["block_size"], fields["n_embd"], peak_flops)
+    mha, damcha = model_variants(fields, gen_out)
     variants = {"mha": mha, "damcha/torch": dict(damcha, kernel="torch"), "damcha/triton": dict(damcha, kernel="triton")}
     idx = torch.randint(fields["vocab_size"], (B, fields["block_size"]), generator=torch.Generator().manual_seed(0))
     idx = idx.to(DEVICE)
@@ -390,7 +398,8 @@ def main(argv):
     if DEVICE == "cpu" and not smoke:
         die("no CUDA GPU: run with --smoke to check the script on the CPU")
     try:    # a model the model rows cannot build is refused now, not after the sections before them
-        GPTConfig(**{k: cfg[k] for k in ("block_size", "n_layer", "n_head", "n_embd", "gen_out")})
+        _, damcha = model_variants({k: cfg[k] for k in ("block_size", "n_layer", "n_head", "n_embd")}, cfg["gen_out"])
+        GPTConfig(**damcha, kernel="triton")
     except ValueError as e:
         die(f"invalid model: {e}")
     # the interpreter must be chosen before damcha_triton defines its kernels, hence the late imports

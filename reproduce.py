@@ -226,7 +226,7 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
     else:
         cmd = [sys.executable, TRAIN_CHAR, *(os.path.join(HERE, f) for f in files)]
         cmd += flags(settings | dict(out_dir=out_dir, init_from='scratch' if trained is None else 'resume'))
-        if run == opts['snapshot']:
+        if run == opts['snapshot'] and trained is None:   # a resumed run keeps its checkpoint's list
             cmd.append('--snapshot_iters=' + ','.join(str(round(f * max_iters)) for f in SNAPSHOT_AT))
         print(f"train {run} ({note}): {' '.join(cmd[1:])}", flush=True)
         returncode = subprocess.run(cmd).returncode
@@ -567,7 +567,7 @@ def main(argv):
             study(opts, passthrough)
         else:
             sweep(opts, passthrough)
-    except KeyboardInterrupt:   # Ctrl-C reaches train_char.py too, which keeps its last checkpoint
+    except KeyboardInterrupt:   # Ctrl-C reaches train_char.py too; its checkpoint is whole (atomic writes)
         print("interrupted: finished runs are kept, and the same command resumes the rest", file=sys.stderr)
         raise SystemExit(130)
     except OSError as e:        # a results folder that cannot be made, a full disk: the system's reason
