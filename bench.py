@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 import damcha_numpy
 from configurator import configure, die
-from damcha_torch import GPT, GPTConfig, compute_metric, count_params, equal_params_width
+from damcha_torch import GPT, GPTConfig, MetricQuery, compute_metric, count_params, equal_params_width
 
 DEFAULTS = dict(quick=False, memory=False, device="cpu", dtype="auto", repeats=0, batch_size=16, block_size=64,
                 n_layer=4, n_head=4, n_embd=128, vocab_size=65, gen_depth=2, gen_out="folded", sweep_batch=4)
@@ -228,7 +228,7 @@ def cost_breakdown(fields, batch_size, device, dtype, repeats):
     heads = [rand(B, H, T, dh).requires_grad_() for _ in range(3 * L)]
 
     def metric():
-        torch.autograd.backward([(x.unsqueeze(-2) @ m).squeeze(-2) for x in xs], dqs)   # as the model does
+        torch.autograd.backward([MetricQuery.apply(x, m) for x in xs], dqs)   # as the model does
 
     def attention():
         ys = [F.scaled_dot_product_attention(*heads[3 * l:3 * l + 3], is_causal=True) for l in range(L)]
