@@ -154,6 +154,7 @@ def parse_options(argv):
             grid = []
         if not grid or not all(math.isfinite(r) and r > 0 for r in grid):
             die(f"lr_grid={opts['lr_grid']!r}: give positive learning rates, comma-separated, e.g. 1e-3,2e-3,4e-3")
+        opts['lr_grid'] = sorted(grid)   # parsed once, here
     pick_device(opts['device'], 0)     # a device this machine lacks is refused before any download
     return opts, passthrough
 
@@ -530,7 +531,7 @@ def study(opts, passthrough):
         dataset = training_split_file(out_root, passthrough.get('data_dir', ''))
         full_vocab = len(load_dataset(opts['dataset'], passthrough.get('data_dir', ''))[1])
         runs, params, _ = study_plan(opts, passthrough, variants, dataset, full_vocab)
-        grid = sorted(float(r) for r in opts['lr_grid'].split(',') if r)
+        grid = opts['lr_grid']
         jobs = [(f'{name}-lr{lr:g}', name, dict(learning_rate=lr, min_lr=lr / 10, seed=1)) for lr in grid for name in variants]
     else:
         runs, params, _ = study_plan(opts, passthrough, variants, opts['dataset'], 0)
