@@ -215,6 +215,17 @@ def evaluate_checkpoint(run, out_dir, device, *more):
     return json.loads(evaluation.stdout)
 
 
+def run_to_the_end(cmd):
+    """Run cmd and return its exit status. On Ctrl-C, which reaches the child too, wait for the child
+    to finish its own shutdown (subprocess.run would kill it after a quarter of a second), then stop."""
+    with subprocess.Popen(cmd) as child:
+        try:
+            return child.wait()
+        except KeyboardInterrupt:
+            child.wait()
+            raise
+
+
 def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, note, blocks=(), extra=None,
                        may_diverge=False):
     """Train one run through train_char.py (resuming its checkpoint if there is one), evaluate it,
@@ -230,7 +241,7 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
         if run == opts['snapshot'] and trained is None:   # a resumed run keeps its checkpoint's list
             cmd.append('--snapshot_iters=' + ','.join(str(round(f * max_iters)) for f in SNAPSHOT_AT))
         print(f"train {run} ({note}): {' '.join(cmd[1:])}", flush=True)
-        returncode = subprocess.run(cmd).returncode
+        returncode = run_to_the_end(cmd)
         if returncode:
             if not (may_diverge and returncode == DIVERGED):
                 die(f"training {run} failed (its output is above); rerun to resume it")

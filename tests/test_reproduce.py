@@ -9,6 +9,7 @@ rerun skips every finished run. A device the machine lacks is refused before any
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -193,3 +194,26 @@ def test_the_snapshot_run_resumes_with_its_checkpoints_snapshots(tmp_path):
     assert result['iter'] == 6 and math.isfinite(result['val_bpc'])
     assert sorted(p.name for p in (tmp_path / 'results' / 'snapshots' / 'damcha-seed1').iterdir()) == [
         'snapshot-0.pt', 'snapshot-1.pt']
+
+
+def test_ctrl_c_waits_for_the_training_run_to_stop(tmp_path):
+    """Ctrl-C reaches reproduce.py and its train_char.py child together; reproduce.py waits for the
+    child to finish its own shutdown instead of killing it mid-way (subprocess.run kills after 0.25 s)."""
+    child = ("import signal, sys, time\n"
+             "def stop(*_):\n"
+             "    time.sleep(1)\n"
+             "    open(sys.argv[1], 'w').write('stopped')\n"
+             "    sys.exit(130)\n"
+             "signal.signal(signal.SIGINT, stop)\n"
+             "print('ready', flush=True)\n"
+             "time.sleep(60)\n")
+    marker = tmp_path / 'marker'
+    driver = ("import sys, reproduce\n"
+              f"try:\n    sys.exit(reproduce.run_to_the_end([sys.executable, '-c', {child!r}, {str(marker)!r}]))\n"
+              "except KeyboardInterrupt:\n    sys.exit(130)\n")
+    proc = subprocess.Popen([sys.executable, '-c', driver], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)   # its own process group: Ctrl-C reaches both, as in a terminal
+    assert proc.stdout.readline() == 'ready\n'
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    assert marker.read_text() == 'stopped'
