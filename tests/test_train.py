@@ -463,6 +463,7 @@ def test_bad_input_with_an_existing_checkpoint_leaves_it_alone(trained, corpora)
     assert "outside the model's 80-symbol vocabulary: '\\x00'" in fails_eval('--mode=sample', out, '--start=a\x00')
     assert 'cannot read the prompt' in fails_eval('--mode=sample', out, '--start=FILE:/no/such/prompt')
     assert 'stride=17 is larger than block_size=16' in fails_eval('--mode=eval', out, '--stride=17')
+    assert 'compile=True is for --mode=eval' in fails_eval('--mode=sample', out, '--compile=True')
     assert digest(trained / 'ckpt.pt') == before
 
     data, _ = corpora   # text8 knows only a-z and space
