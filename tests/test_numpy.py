@@ -1,6 +1,6 @@
 """Tests of damcha_numpy.py: every *_backward against central differences (float64), the whole
 model against finite differences and against an independent implementation of the model
-(tests/spec_reference.py), causality, folding, block masks, initialisation and training.
+(tests/spec_reference.py), causality, folding, block masks, initialisation, training and sampling.
 
     python -m pytest -q tests/test_numpy.py
 """
@@ -13,7 +13,8 @@ import pytest
 import damcha_numpy as dn
 from spec_reference import reference_forward, reference_random_params
 
-BASE = dict(vocab_size=7, block_size=6, n_layer=2, n_head=2, n_embd=8, gen_width=5)
+# three layers: with two, a shared metric gets dm from one layer only, and its sum over layers goes untested
+BASE = dict(vocab_size=7, block_size=6, n_layer=3, n_head=2, n_embd=8, gen_width=5)
 VARIANTS = {
     "damcha": {},
     "unshared": dict(share=False),
@@ -311,6 +312,47 @@ def test_overfits_one_batch():
     assert losses[0] > 2.0 and losses[-1] < 0.1 * losses[0]
 
 
+def test_get_batch_targets_are_the_next_tokens():
+    data = np.arange(50, dtype=np.uint8)
+    x, y = dn.get_batch(data, 8, 6, np.random.default_rng(0))
+    assert x.shape == y.shape == (8, 6)
+    assert np.array_equal(y, x + 1)   # the corpus counts up: every target is the token after its input
+
+
+def fake_forward(seen, z):
+    """A stand-in for dn.forward: logits z at the last position, and at every other position logits
+    that put all the mass on token 0; it records the token ids it is given."""
+    def forward(params, config, idx):
+        seen.append(idx.copy())
+        logits = np.zeros((*idx.shape, len(z)))
+        logits[:, :, 0] = 50.0
+        logits[:, -1] = z
+        return logits, None, None
+    return forward
+
+
+def test_generate_samples_the_last_position_at_the_temperature(monkeypatch):
+    z = np.array([0.0, 1.0, 2.0, 3.0])
+    monkeypatch.setattr(dn, "forward", fake_forward([], z))
+    config = dn.GPTConfig(vocab_size=4, block_size=4, n_head=2, n_embd=8)
+    n = 20000
+    out = dn.generate(None, config, np.zeros((n, 2), dtype=np.int64), 1, np.random.default_rng(0), temperature=0.5)
+    freq = np.bincount(out[:, -1], minlength=4) / n
+    p = np.exp(z / 0.5) / np.exp(z / 0.5).sum()
+    assert np.all(np.abs(freq - p) < 4 * np.sqrt(p * (1 - p) / n)), (freq, p)
+
+
+def test_generate_conditions_on_the_last_block_size_tokens(monkeypatch):
+    seen = []
+    monkeypatch.setattr(dn, "forward", fake_forward(seen, np.zeros(4)))
+    config = dn.GPTConfig(vocab_size=4, block_size=4, n_head=2, n_embd=8)
+    prompt = np.array([[1, 2, 3, 1, 2, 3]])
+    out = dn.generate(None, config, prompt, 3, np.random.default_rng(0))
+    assert out.shape == (1, 9) and np.array_equal(out[:, :6], prompt)
+    for s, idx in enumerate(seen):
+        assert np.array_equal(idx, out[:, :6 + s][:, -4:])
+
+
 def test_main_trains_and_samples(tmp_path):
     corpus = tmp_path / "tiny.txt"
     corpus.write_bytes(b"ROMEO: to be or not to be, that is the question.\n" * 40)
@@ -320,7 +362,11 @@ def test_main_trains_and_samples(tmp_path):
     assert run.returncode == 0, run.stderr
     val = [float(line.split("val loss")[1].split("|")[0]) for line in run.stdout.splitlines() if "val loss" in line]
     assert len(val) == 3 and val[-1] < 0.7 * val[0]
-    assert run.stdout.split("-" * 60 + "\n")[1].startswith("ROMEO:")
+    sample = run.stdout.split("-" * 60 + "\n")[1][:-1]
+    assert len(sample) == len("ROMEO:") + 300 and sample.startswith("ROMEO:")
+    # text drawn uniformly from the 21 symbols would have about 9% of its character pairs in the corpus
+    pairs = [sample[i:i + 2] for i in range(len(sample) - 1)]
+    assert sum(p in corpus.read_text() for p in pairs) > 0.4 * len(pairs)
 
 
 def test_main_rejects_bad_flags(tmp_path):

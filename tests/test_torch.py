@@ -4,13 +4,13 @@ tests/test_torch.py: checks damcha_torch.GPT against the independent reference a
 Run: python -m pytest -q tests/test_torch.py      (about 20 seconds on two CPU cores)
 
 In float64, for every variant of the model (attn, adaptive, share, blocks, gen_out, gen_depth,
-bias): logits and loss equal the independent loop-by-loop reference (tests/spec_reference.py)
-to 1e-10, and logits, loss and every parameter's gradient equal damcha_numpy's to 1e-9, the
-weights moving between the two through the state_dict. Then the properties that only the
-PyTorch path has: the folded computation of gen_out="full", the generator running once per
-forward when shared, causality, incremental generate(), and bf16 autocast (on the CPU here;
-the CUDA-only tests skip without a GPU). Errors are relative to the largest entry:
-max |a - b| / max |b|.
+bias) at three layers: logits and loss equal the independent loop-by-loop reference
+(tests/spec_reference.py) to 1e-10, and logits, loss and every parameter's gradient equal
+damcha_numpy's to 1e-9, the weights moving between the two through the state_dict; so do three
+AdamW steps. Then the properties that only the PyTorch path has: the folded computation of
+gen_out="full", the generator running once per forward when shared, causality, incremental
+generate() and its sampling, every dropout site, and bf16 autocast (on the CPU here; the
+CUDA-only tests skip without a GPU). Errors are relative to the largest entry: max |a - b| / max |b|.
 """
 import math
 
@@ -24,7 +24,8 @@ from common import MetricSizedOutputs, rel_err
 from damcha_torch import GPT, GPTConfig, MetricGenerator, rowsum
 from spec_reference import reference_forward, reference_random_params
 
-TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, gen_width=6)
+# three layers: with two, a shared metric gets dm from one layer only, and its sum over layers goes untested
+TINY = dict(vocab_size=11, block_size=8, n_layer=3, n_head=2, n_embd=8, gen_width=6)
 
 
 def all_variants():
@@ -107,12 +108,16 @@ def test_state_dict_has_numpy_layout(variant):
     assert {k: tuple(v.shape) for k, v in state.items()} == {k: v.shape for k, v in params.items()}
 
 
-def test_init_matches_numpy_statistics():
+@pytest.mark.parametrize("variant", [dict(), dict(adaptive=False), dict(adaptive=False, share=False)],
+                         ids=["damcha", "static", "static-unshared"])
+def test_init_matches_numpy_statistics(variant):
     torch.manual_seed(0)
-    fields = dict(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=64, gen_width=64)
+    fields = dict(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=64, gen_width=64, **variant)
     state = GPT(GPTConfig(**fields)).state_dict()
     params = damcha_numpy.init_params(damcha_numpy.GPTConfig(**fields), seed=0)
     for name, p in params.items():
+        if name.endswith("metric"):   # a static metric: N(0, 0.02) as every weight
+            assert abs(p.std() / 0.02 - 1) < 0.1, name
         t = state[name].numpy()
         if p.std() == 0:
             np.testing.assert_array_equal(t, p, err_msg=name)        # LayerNorm 1 and 0, biases 0
@@ -291,6 +296,30 @@ def test_generate_from_a_prompt_longer_than_block_size():
     assert out.shape == (2, 13)
 
 
+def fixed_logits(model, z):
+    """Make model's forward return logits z at the last position, and at every other position
+    logits that put all the mass on token 0."""
+    def forward(idx, targets=None, cache=None):
+        logits = torch.zeros(*idx.shape, len(z), dtype=z.dtype)
+        logits[:, :, 0] = 50.0
+        logits[:, -1] = z
+        return logits, None
+    model.forward = forward
+
+
+@pytest.mark.parametrize("temperature, top_k", [(2.0, None), (1.0, 2), (1.0, 1)])
+def test_generate_samples_at_the_temperature_within_top_k(temperature, top_k):
+    z = torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=torch.float64)
+    model = GPT(GPTConfig(**dict(TINY, vocab_size=4)))
+    fixed_logits(model, z)
+    n = 20000
+    torch.manual_seed(0)
+    out = model.generate(torch.zeros(n, 2, dtype=torch.long), 1, temperature=temperature, top_k=top_k)
+    freq = torch.bincount(out[:, -1], minlength=4).double() / n
+    p = torch.softmax(torch.where(z >= z.sort(descending=True).values[(top_k or 4) - 1], z, -math.inf) / temperature, 0)
+    assert torch.all((freq - p).abs() <= 4 * torch.sqrt(p * (1 - p) / n)), (freq, p)
+
+
 # ----------------------------------------------------------------------------------------------
 # Configuration, training helpers
 
@@ -325,6 +354,25 @@ def test_dropout_is_off_in_eval_mode():
     assert not torch.equal(model.train()(idx)[0], reference(idx)[0])
 
 
+@pytest.mark.parametrize("attn", ["damcha", "mha"])
+def test_every_dropout_runs_in_training_and_none_in_eval(attn):
+    """The embedding, each attention output and each MLP output have their own nn.Dropout, and a
+    training forward passes through each once; in eval mode attention-probability dropout is off too."""
+    config = GPTConfig(**TINY, attn=attn, dropout=0.5, attn_dropout=0.5)
+    model = GPT(config)
+    calls = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.register_forward_hook(lambda mod, args, out, name=name: calls.append((name, mod.training)))
+    idx = tokens(config, (2, 8), 19)
+    model.train()(idx)
+    sites = ["drop"] + [f"h.{l}.{site}" for l in range(config.n_layer) for site in ("attn.resid_dropout", "mlp.dropout")]
+    assert sorted(calls) == sorted((name, True) for name in sites)
+    reference = GPT(GPTConfig(**TINY, attn=attn))
+    reference.load_state_dict(model.state_dict())
+    assert torch.equal(model.eval()(idx)[0], reference.eval()(idx)[0])
+
+
 @pytest.mark.parametrize("attn", ["damcha", "mha", "tha", "dcmha"])
 def test_attention_dropout_is_its_own_setting(attn):
     """With every nn.Dropout module (embedding, residual, MLP) switched off, a model in training
@@ -352,12 +400,33 @@ def test_configure_optimizers_decays_matrices_only(capsys):
     assert any(p is model.h[0].attn.metric for p in decay["params"])
 
 
+@pytest.mark.parametrize("variant", [dict(), dict(adaptive=False, share=False)], ids=["damcha", "static"])
+def test_adamw_matches_numpy(variant):
+    """Three steps of the AdamW that every PyTorch training loop uses and of damcha_numpy's
+    adamw_step, from the same weights and gradients: the same weights after each, to 1e-12."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, **variant)).double()
+    params = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    named = dict(model.named_parameters())
+    state = {}
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        grads = {k: rng.normal(size=v.shape) for k, v in params.items()}
+        for k, p in named.items():
+            p.grad = torch.tensor(grads[k])
+        optimizer.step()
+        damcha_numpy.adamw_step(params, grads, state, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        errors = {k: rel_err(p.detach(), params[k]) for k, p in named.items()}
+        assert max(errors.values()) < 1e-12, errors
+
+
 def test_flops_count_generator_and_metric():
     shared = GPT(GPTConfig(**TINY, share=True))
     unshared = GPT(GPTConfig(**TINY, share=False))
     static = GPT(GPTConfig(**TINY, adaptive=False))
     folded = GPT(GPTConfig(**TINY, gen_out="folded"))
-    D, w, L, dh = 8, 6, 2, 4
+    D, w, L, dh = TINY["n_embd"], TINY["gen_width"], TINY["n_layer"], 4
     generator = 6 * (D * w + w * D * dh)                             # per token, folded last layer
     assert shared.flops_per_token() - static.flops_per_token() == generator
     assert unshared.flops_per_token() - static.flops_per_token() == L * generator

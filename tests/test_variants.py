@@ -143,8 +143,12 @@ def test_own_slice_static_identity_is_mha_with_identity_projections(gen_out):
 
 @pytest.mark.parametrize("variant", [dict(adaptive=False, share=False, metric_init="identity", gen_out="folded"),
                                      dict(adaptive=False, share=False, metric_init="identity", gen_out="full"),
-                                     dict(gen_out="full", metric_init="identity")])
+                                     dict(gen_out="full", metric_init="identity"),
+                                     dict(gen_out="full", metric_init="identity", blocks="diag"),
+                                     dict(gen_out="full", metric_init="identity", blocks="offdiag"),
+                                     dict(adaptive=False, metric_init="identity", blocks="offdiag")])
 def test_identity_init_gives_identity_metrics(variant):
+    """m_i = I with every block or the diagonal ones; 0 with the off-diagonal ones (M_ij = 0, j != i)."""
     config = GPTConfig(**TINY, **variant)
     torch.manual_seed(0)
     model = GPT(config)
@@ -152,8 +156,9 @@ def test_identity_init_gives_identity_metrics(variant):
         model.gen[-1].weight.data.zero_()
         m = compute_metric(model, torch.randn(1, 3, config.n_embd), config)
     else:
-        m = compute_metric(model.h[1].attn, None, config)
-    assert torch.equal(m, torch.eye(4).expand_as(m))
+        m = compute_metric(model if config.share else model.h[1].attn, None, config)
+    expected = torch.zeros(4, 4) if config.blocks == "offdiag" else torch.eye(4)
+    assert torch.equal(m, expected.expand_as(m))
 
 
 @pytest.mark.parametrize("variant", [dict(qk="proj"), dict(qk="proj", share=False, metric_init="identity"),
