@@ -295,7 +295,7 @@ def test_bench_reports_a_failing_implementation_and_times_the_others(capsys):
 def test_gpt_kernel_triton_matches_torch(share):
     """The whole GPT, kernel="triton" against kernel="torch" with the same weights, float32:
     logits, loss and every parameter's gradient."""
-    config = GPTConfig(kernel="triton", vocab_size=11, block_size=20, n_layer=2, n_head=2, n_embd=32,
+    config = GPTConfig(kernel="triton", vocab_size=11, block_size=20, n_layer=3, n_head=2, n_embd=32,
                        gen_width=16, share=share)
     torch.manual_seed(0)
     models = {kernel: GPT(dataclasses.replace(config, kernel=kernel)).to(DEVICE) for kernel in ("torch", "triton")}
@@ -330,8 +330,9 @@ def test_kernel_triton_runs_the_kernel_for_per_token_metrics_only(monkeypatch):
 def test_gpt_kernel_triton_matches_spec_and_numpy(variant):
     """The issue's bar: GPT(kernel="triton") in float32 against the independent float64
     forward (logits and loss to 1e-4) and damcha_numpy's float64 gradients (to 1e-3), with T = 37
-    longer than two of the interpreter's blocks of 16, and weights moved in through the state_dict."""
-    config = GPTConfig(kernel="triton", vocab_size=11, block_size=40, n_layer=2, n_head=2, n_embd=32,
+    longer than two of the interpreter's blocks of 16, three layers (a shared metric sums its dm over
+    them), and weights moved in through the state_dict."""
+    config = GPTConfig(kernel="triton", vocab_size=11, block_size=40, n_layer=3, n_head=2, n_embd=32,
                        gen_width=16, **variant)
     np_config = damcha_numpy.GPTConfig(**{k: v for k, v in vars(config).items() if k != "kernel"})
     params = {k: v * 0.5 for k, v in reference_random_params(np_config, seed=0).items()}
