@@ -10,7 +10,8 @@ pytest process, and the kernels there use blocks of 16 positions. At small sizes
 70: several blocks, the last one partial): the output and the gradients for x, m and v against a
 float64 autograd reference (einsum + SDPA) and against the chain of damcha_numpy's attention
 pieces, for per-token and static metrics and head sizes that need padding (8, 12, 48); then the
-edge cases of T, input layouts, argument checks, the float32 precision setting, torch.compile
+edge cases of T, input and output layouts, argument checks, dh = 128, autocast, the launch
+constants (on meta tensors), the float32 precision setting, torch.compile
 tracing through the op, and the whole GPT with GPTConfig(kernel="triton") against kernel="torch",
 the independent reference forward and damcha_numpy's gradients. With a GPU the same tests run on it, plus: bfloat16 and float16 against float64 (no
 worse than torch's own 16-bit path), T = 4096 in float32, and the forward's peak memory. Errors
@@ -115,10 +116,11 @@ def test_single_position():
 
 
 def test_contiguous_heads_and_strided_output_gradient():
-    """Inputs laid out as (B, H, T, dh) rather than the model's (B, T, H, dh), a metric that is a
-    view, and an output gradient with a zero stride: the kernels follow any strides."""
+    """x laid out as (B, H, T, dh) while v keeps the model's (B, T, H, dh), a metric that is a
+    view, and an output gradient with a zero stride: the kernels follow each tensor's strides."""
     x, m, v, _ = make_inputs(1, 2, 20, 8, static=False, seed=3)
-    x, v = x.contiguous(), v.contiguous()
+    x = x.contiguous()
+    assert x.stride() != v.stride()
     m = m.transpose(-1, -2).contiguous().transpose(-1, -2)             # same values, other strides
     do = torch.randn(1, 2, 20, 1, device=DEVICE).expand(-1, -1, -1, 8)  # stride 0 along dh
     check_against_float64(x, m, v, do)
@@ -148,6 +150,45 @@ def test_argument_checks():
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="float32 only"):
             damcha_attention(x.bfloat16(), m.bfloat16(), v.bfloat16())
+
+
+def test_head_sizes_up_to_the_limit_and_autocast(monkeypatch):
+    """dh = 128, the limit, runs; under autocast x, m and v are all cast to its dtype (emulated
+    here with float32 from float64 inputs: the interpreter runs float32 only)."""
+    x, m, v, do = make_inputs(1, 1, 5, 128, static=False)
+    check_against_float64(x, m, v, do)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type=None: True)
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.float32)
+    x, m, v, do = make_inputs(1, 2, 20, 8, static=False, dtype=torch.float64)
+    o = damcha_attention(x, m, v)
+    assert o.dtype == torch.float32 and rel_err(o, torch_path(x, m, v)) < FWD_TOL
+
+
+def test_output_is_laid_out_as_the_models_heads():
+    """o (B, H, T, dh) is stored as (B, T, H, dh), whatever the inputs' layout, so that the
+    model's o.transpose(1, 2).reshape(B, T, D) is a view."""
+    for contiguous in (False, True):
+        x, m, v, _ = make_inputs(1, 2, 20, 8, static=False)
+        if contiguous:
+            x, v = x.contiguous(), v.contiguous()
+        assert damcha_attention(x, m, v).transpose(1, 2).is_contiguous()
+
+
+def test_launch_constants():
+    """On meta tensors (nothing runs): the feature axis is padded to a power of two >= 16, tl.dot's
+    smallest K; a static metric takes the kernels' static branch (one tl.dot for q = x m); the
+    logsumexp is float32 whatever the inputs' dtype."""
+    for dh, DH in [(8, 16), (12, 16), (16, 16), (48, 64), (128, 128)]:
+        assert damcha_triton._options(torch.empty(1, 1, 1, dh, device="meta"))["DH"] == DH
+    for static in (False, True):
+        x = torch.empty(2, 9, 2, 8, device="meta", dtype=torch.bfloat16).transpose(1, 2)
+        m = torch.empty(*((2,) if static else (2, 9, 2)), 8, 8, device="meta", dtype=torch.bfloat16)
+        (o, lse, q), forward = damcha_triton._forward_plan(x, m, x)
+        assert o.dtype == q.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        _, backward = damcha_triton._backward_plan(o, x, m, x, o, lse, q)
+        per_token = {kernel.fn.__name__: constants["PER_TOKEN"]
+                     for kernel, _, _, constants in forward + backward if "PER_TOKEN" in constants}
+        assert per_token == {"_attn_fwd": not static, "_bwd_dq": not static}
 
 
 def test_forward_keeps_q_for_the_backward():
