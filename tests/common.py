@@ -1,5 +1,6 @@
 """Helpers shared by the tests."""
 import hashlib
+import signal
 
 import numpy as np
 import torch
@@ -19,6 +20,13 @@ def digest(path):
     """The MD5 of a file's bytes: equal digests mean a file was left exactly as it was."""
     with open(path, 'rb') as f:
         return hashlib.md5(f.read()).hexdigest()
+
+
+def sigint_default():
+    """preexec_fn for a child that a test stops with Ctrl-C (SIGINT): Python ignores SIGINT for
+    good if it starts with it ignored, which it inherits when pytest was started in the background
+    (nohup, `&` in a script)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class MetricSizedOutputs(TorchDispatchMode):

@@ -24,7 +24,7 @@ import damcha_numpy
 import eval_char as ec
 import train_char as tc
 from data.prepare import atomic_write
-from common import digest
+from common import digest, sigint_default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=4', '--gen_width=16',
@@ -196,6 +196,7 @@ def test_ctrl_c_says_where_training_stopped_and_where_a_resume_starts(tmp_path, 
     out = tmp_path / 'out'
     proc = subprocess.Popen([sys.executable, 'train_char.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out}',
                              '--eval_interval=5', '--max_iters=100000'], cwd=ROOT, env=ENV, text=True,
+                            preexec_fn=sigint_default,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for(proc, 'iter 10:')
     proc.send_signal(signal.SIGINT)

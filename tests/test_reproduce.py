@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import reproduce
+from common import sigint_default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ('mha', 'damcha', 'damcha_static')
@@ -212,7 +213,7 @@ def test_ctrl_c_waits_for_the_training_run_to_stop(tmp_path):
               f"try:\n    sys.exit(reproduce.run_to_the_end([sys.executable, '-c', {child!r}, {str(marker)!r}]))\n"
               "except KeyboardInterrupt:\n    sys.exit(130)\n")
     proc = subprocess.Popen([sys.executable, '-c', driver], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)   # its own process group: Ctrl-C reaches both, as in a terminal
+                            start_new_session=True, preexec_fn=sigint_default)   # Ctrl-C reaches both, as in a terminal
     assert proc.stdout.readline() == 'ready\n'
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=30) == 130

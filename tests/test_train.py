@@ -8,11 +8,13 @@ and every bad input of issue 4 (one line, non-zero exit, checkpoint untouched).
 Most runs are in-process (tc.main) with a one-layer, 32-wide model; the command line itself,
 torchrun included, runs as a subprocess where exit codes and tracebacks are the point.
 """
+import contextlib
 import functools
 import hashlib
 import http.server
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -130,6 +132,7 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     assert "did you mean 'batch_size'" in fails('--batchsize=3')
     assert 'expected int' in fails('--batch_size=1.5')
     assert 'expected int' in fails('--batch_size=many')
+    assert 'expected int, not bool' in fails('--batch_size=True')
     assert 'expected bool' in fails('--compile=yes')
     assert 'mode must be one of' in fails('--mode=fly')
     assert 'must be positive' in fails('--batch_size=0')
@@ -317,6 +320,56 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_dir):
     assert a == b                                    # every loss and learning rate, bit for bit
     assert [e['val_loss'] for e in tc.read_jsonl(tmp_path / 'a' / 'log.jsonl')] == \
            [e['val_loss'] for e in tc.read_jsonl(tmp_path / 'b' / 'log.jsonl')]
+
+
+def test_each_step_follows_the_schedule_clips_and_keeps_the_best(tmp_path, data_dir, monkeypatch):
+    """Every iteration's learning rate is nanoGPT's schedule (written out here: linear warm-up,
+    cosine to min_lr, then min_lr), the gradients are clipped to grad_clip at every step, and with
+    always_save_checkpoint=False the checkpoint is the best evaluation's (losses set by hand)."""
+    val = iter([3.0, 2.0, 2.5, 2.2])   # the evaluations at iters 0, 4, 8 and 12
+    monkeypatch.setattr(tc, 'estimate_loss', lambda *a: dict(train_loss=1.0, val_loss=(v := next(val)), val_bpc=v))
+    norms = []
+    clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', lambda p, max_norm: norms.append(max_norm) or clip(p, max_norm))
+    out = tmp_path / 'out'
+    run(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=12', '--eval_interval=4',
+        '--warmup_iters=2', '--lr_decay_iters=10', '--learning_rate=1e-3', '--min_lr=1e-4',
+        '--always_save_checkpoint=False', '--grad_clip=0.5')
+    def lr(it):
+        if it < 2:
+            return 1e-3 * (it + 1) / 3
+        return 1e-4 + 0.5 * (1 + math.cos(math.pi * min(it - 2, 8) / 8)) * 9e-4
+    logged = [e['lr'] for e in tc.read_jsonl(out / 'train_log.jsonl')]
+    assert logged == pytest.approx([lr(it) for it in range(12)], rel=1e-12)
+    assert norms == [0.5] * 12
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert (ckpt['iter_num'], ckpt['best_val_loss']) == (4, 2.0)
+
+
+def test_estimate_loss_scores_each_split_on_its_own_tokens(tmp_path):
+    """A stand-in model whose loss is the mean target id: each split's loss is the mean of its own
+    tokens (a file whose train part is one byte and whose val part another)."""
+    text = tmp_path / 'two.txt'
+    text.write_bytes(b'a' * 900 + b'b' * 100)   # 90 / 5 / 5: train all 'a' (id 0), val all 'b' (id 1)
+    components, _ = prep.load_dataset(str(text), str(tmp_path / 'data'))
+    class MeanTarget(torch.nn.Module):
+        def forward(self, x, y):
+            return None, y.double().mean()
+    cfg = dict(seed=0, eval_iters=3, batch_size=4, block_size=8)
+    losses = tc.estimate_loss(MeanTarget(), components, cfg, 'cpu', contextlib.nullcontext())
+    assert (losses['train_loss'], losses['val_loss'], losses['val_bpc']) == (0.0, 1.0, 1 / math.log(2))
+
+
+def test_a_resume_takes_this_runs_weight_decay_and_betas(tmp_path, data_dir, monkeypatch):
+    out = tmp_path / 'out'
+    run(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=2')
+    optimizers = []
+    restore = tc.restore
+    monkeypatch.setattr(tc, 'restore', lambda ckpt, optimizer, *a: optimizers.append(optimizer) or restore(ckpt, optimizer, *a))
+    run(f'--out_dir={out}', '--init_from=resume', '--max_iters=4', '--weight_decay=0.0', '--beta1=0.5', '--beta2=0.9')
+    decay, no_decay = optimizers[0].param_groups
+    assert decay['weight_decay'] == no_decay['weight_decay'] == 0.0
+    assert decay['betas'] == no_decay['betas'] == (0.5, 0.9)
 
 
 def test_ddp_on_two_cpu_processes_matches_one_process(tmp_path, data_dir):
