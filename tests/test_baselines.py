@@ -7,7 +7,8 @@ Run: python -m pytest -q tests/test_baselines.py      (a few seconds on two CPU 
 Both are MHA with the heads mixed before and after the softmax. With the mixing at the identity
 (THA's pre_mix and post_mix zero; DCMHA's dyn_proj and gates zero) a model's logits equal, in
 float64, those of the MHA model holding the same c_attn, c_proj, MLP, LayerNorm and embedding
-weights. DCMHA's composition equals a loop over the formula of issue 7; the weights on later
+weights. One entry of THA's mixing does what the formula says, per head; DCMHA's composition equals
+a loop over the formula of issue 7, and each reads its own group of weights; the weights on later
 keys are exactly zero after the post-softmax mixing; both models are causal, decode
 incrementally as they compute in full, and send a gradient to every parameter from the start.
 Errors are relative to the largest entry: max |a - b| / max |b|.
@@ -171,6 +172,38 @@ def test_dynamic_weights_are_normalised_and_gated():
         # unit mean square over the heads, up to the 1e-6 that the norm adds to it
         torch.testing.assert_close(w1.pow(2).mean(-1), torch.ones_like(w1[..., 0]), rtol=1e-3, atol=0)
         assert d.abs().max() < 1 and d.abs().max() > 0
+
+
+@pytest.mark.parametrize("where", ["pre_mix", "post_mix"])
+def test_talking_heads_mixes_head_1_into_head_0(where):
+    """With one entry [0, 1] = 1 of THA's mixing (the other zero), head 0 adds head 1's logits
+    (pre_mix) or probabilities (post_mix) to its own, written out per head; the other heads are MHA's."""
+    module = GPT(GPTConfig(**TINY, attn="tha")).double().h[0].attn
+    with torch.no_grad():
+        getattr(module, where)[0, 1] = 1.0
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 3, 8, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    logits = (q @ k.transpose(-2, -1) / 2).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if where == "pre_mix":
+        head_0 = torch.softmax(logits[:, 0] + logits[:, 1], -1)
+    else:
+        head_0 = probs[:, 0] + probs[:, 1]
+    want = torch.cat([(head_0 @ v[:, 0]).unsqueeze(1), probs[:, 1:] @ v[:, 1:]], dim=1)
+    assert rel_err(module.composed_attention(q, k, v, None, None), want) < 1e-14
+
+
+@pytest.mark.parametrize("group", range(4))
+def test_dcmha_reads_each_composition_from_its_own_weights(group):
+    """dynamic_weights' four groups of dyn_proj are, in order, the query-wise and key-wise
+    compositions before the softmax, then the two after it: with every group but one zero, only
+    that composition's weights are non-zero."""
+    module = perturbed(GPTConfig(**TINY, attn="dcmha"), seed=12).h[0].attn
+    with torch.no_grad():
+        module.dyn_proj[[g for g in range(4) if g != group]] = 0.0
+    pre, post = module.dynamic_weights(torch.randn(2, 8, TINY["n_embd"], dtype=torch.float64), None)
+    nonzero = [bool(w2.abs().max() > 0) for _, w2, _ in pre + post]   # (pre query, pre key, post query, post key)
+    assert nonzero == [g == group for g in range(4)]
 
 
 @pytest.mark.parametrize("attn", BASELINES)
