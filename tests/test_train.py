@@ -435,18 +435,58 @@ def test_eval_scores_every_token_once(trained, tmp_path, monkeypatch, capsys):
     small.write_bytes(open(prep.BUNDLED, 'rb').read()[:20000])
     monkeypatch.setattr(prep, 'BUNDLED', str(small))
     results = []
-    for stride in (0, 5):
+    for stride in (0, 5, 16):
         run_eval('--mode=eval', f'--out_dir={trained}', f'--stride={stride}', f'--data_dir={tmp_path}', '--batch_size=64')
         out, err = capsys.readouterr()
         results.append(json.loads(out))
         assert 'shakespeare has no test split' in err
-    for r, stride in zip(results, (16, 5)):
+    for r, stride in zip(results, (16, 5, 16)):
         assert r['stride'] == stride and r['val_tokens'] == 2000 - 1 and 'test_bpc' not in r
         assert r['val_bpc'] == pytest.approx(r['val_loss'] / np.log(2)) and 1 < r['val_bpc'] < 7
     assert abs(results[0]['val_bpc'] - results[1]['val_bpc']) < 0.2
+    assert results[2] == results[0]   # stride = block_size is the default's non-overlapping windows
 
 
-def test_mix_training_and_eval_report_both_corpora(corpora, capsys):
+def test_split_loss_is_the_mean_over_every_target(monkeypatch):
+    """split_loss against the loss written out, with a bigram stand-in model (logits from the
+    previous token only, so the context a window gives does not matter): every target of a split
+    of 103 ids, mapped through lut, scored once, for several strides and batch sizes."""
+    W = torch.randn(8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    class Bigram(torch.nn.Module):
+        def forward(self, x, y):
+            return W[x], None
+    data = np.random.default_rng(0).integers(0, 5, 103).astype(np.uint8)
+    lut = torch.tensor([7, 1, 3, 0, 5])                     # the split's ids -> a model's 8-symbol vocabulary
+    ids = lut[torch.from_numpy(data.astype(np.int64))]
+    want = torch.nn.functional.cross_entropy(W[ids[:-1]], ids[1:]).item()
+    monkeypatch.setattr(prep, 'tqdm', lambda it, **_: it)
+    for stride in (0, 1, 5, 16):
+        for batch_size in (1, 3):
+            loss, count = prep.split_loss(Bigram(), data, lut, dict(block_size=16, stride=stride, batch_size=batch_size),
+                                          'cpu', contextlib.nullcontext())
+            assert count == 102 and loss == pytest.approx(want, rel=1e-6), (stride, batch_size)   # float32 logits
+
+
+def test_rows_cover_every_window_and_an_empty_prompt_is_a_newline():
+    data = np.arange(18, dtype=np.uint8)                    # block_size 16: two windows of 17 tokens
+    which, offsets = prep.draw_rows([dict(splits=dict(train=data))], 'train', 2000, 16, torch.Generator().manual_seed(0))
+    assert set(which.tolist()) == {0} and set(offsets.tolist()) == {0, 1}
+    assert prep.encode('', [10, 32, 97], 8) == [0]          # a newline where there is one,
+    assert prep.encode('', [32, 97], 8) == [0]              # else a space (text8)
+
+
+def test_text8_with_a_symbol_outside_its_vocabulary_is_refused(tmp_path, monkeypatch):
+    data = b'abc def A' * 400
+    os.makedirs(tmp_path / 'text8')
+    with zipfile.ZipFile(tmp_path / 'text8' / 'text8.zip', 'w') as z:
+        z.writestr('text8', data)
+    monkeypatch.setitem(prep.SOURCES, 'text8', dict(prep.SOURCES['text8'], size=len(data),
+                                                    digest=('sha1', hashlib.sha1(data).hexdigest())))
+    with pytest.raises(SystemExit, match="holds bytes outside its 27-symbol vocabulary"):
+        prep.prepare('text8', str(tmp_path))
+
+
+def test_mix_training_and_eval_report_both_corpora(corpora, capsys, monkeypatch):
     data, _ = corpora
     out = data / 'out'
     run(*TINY, '--dataset=mix', f'--data_dir={data}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=2')
@@ -454,11 +494,21 @@ def test_mix_training_and_eval_report_both_corpora(corpora, capsys):
     assert entry['val_loss'] == pytest.approx((entry['val_loss_enwik8'] + entry['val_loss_text8']) / 2)
     assert {'val_bpc_enwik8', 'val_bpc_text8', 'train_loss_enwik8', 'train_loss_text8'} <= set(entry)
     capsys.readouterr()
+    scored = []   # each split's ids, as eval hands them to split_loss
+    split_loss = ec.split_loss
+    monkeypatch.setattr(ec, 'split_loss', lambda model, ids, *a: scored.append((a[-1], np.array(ids))) or
+                        split_loss(model, ids, *a))
     run_eval('--mode=eval', f'--out_dir={out}')
     result = json.loads(capsys.readouterr().out)
     for split in ('val', 'test'):
         assert result[f'{split}_tokens_enwik8'] == result[f'{split}_tokens_text8'] == 199
+        assert result[f'{split}_loss'] == pytest.approx((result[f'{split}_loss_enwik8'] + result[f'{split}_loss_text8']) / 2)
+        assert result[f'{split}_bpc'] == pytest.approx(result[f'{split}_loss'] / np.log(2))
         assert result[f'{split}_bpc'] == pytest.approx((result[f'{split}_bpc_enwik8'] + result[f'{split}_bpc_text8']) / 2)
+    assert [desc for desc, _ in scored] == ['enwik8 val', 'text8 val', 'enwik8 test', 'text8 test']
+    for desc, ids in scored:
+        name, split = desc.split()
+        assert np.array_equal(ids, np.fromfile(data / name / f'{split}.bin', dtype=np.uint8)), desc
 
 
 def test_sample_from_a_file_prompt(trained, tmp_path, capsys):
