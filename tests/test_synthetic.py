@@ -1,4 +1,5 @@
-"""synthetic.py: the synthetic tasks have the structure its docstring states, the models are at equal
+"""synthetic.py: the synthetic tasks have the structure its docstring states (and the formulas written
+out entry by entry), train and test samples are distinct, the summary's gains are paired by seed, the models are at equal
 parameter count, a tiny training run gives finite numbers, and the committed sweep is complete.
 
     python -m pytest -q tests/test_synthetic.py
@@ -59,14 +60,60 @@ def test_within_terms_see_their_own_subspace_only():
             assert same == (k != h)
 
 
+def test_teacher_and_combine_written_out():
+    """teacher_terms and combine against their formulas, one entry at a time:
+    term[n, k, h, g] = sum_t softmax_t(beta x_T^h . A_hg x_t^g / d_e) (r_k^g . x_t^g / sqrt(d_e)), with
+    x_T the last token, and y_k = sum_h [term_hh + lam / (H - 1) sum_{g != h} term_hg]."""
+    d_e, n_out, H = 3, 2, syn.H
+    teacher = {k: v.double() for k, v in syn.make_teacher(d_e, n_out, seed=3).items()}
+    x = syn.sample_tokens(2, d_e, torch.Generator().manual_seed(4)).double()
+    xs = x.view(2, syn.T, H, d_e)
+    terms = syn.teacher_terms(x, teacher)
+    for n in range(2):
+        for h in range(H):
+            for g in range(H):
+                scores = torch.stack([syn.BETA * xs[n, -1, h] @ teacher["A"][h, g] @ xs[n, t, g] / d_e
+                                      for t in range(syn.T)])
+                for k in range(n_out):
+                    values = torch.stack([teacher["r"][k, g] @ xs[n, t, g] / math.sqrt(d_e) for t in range(syn.T)])
+                    assert torch.isclose(terms[n, k, h, g], torch.softmax(scores, 0) @ values, rtol=1e-12)
+    lam = 0.3
+    y = syn.combine(terms, lam)
+    for n in range(2):
+        for k in range(n_out):
+            want = sum(terms[n, k, h, h] + lam / (H - 1) * sum(terms[n, k, h, g] for g in range(H) if g != h)
+                       for h in range(H))
+            assert torch.isclose(y[n, k], want, rtol=1e-12)
+
+
 def test_data_shapes_and_labels():
     x_tr, y_tr, x_te, y_te = syn.regression_data(0.6, d_e=4, seed=0, n_train=512, n_test=128)
     assert x_tr.shape == (512, syn.T, 16) and y_tr.shape == (512,) and y_te.shape == (128,)
     assert abs(y_tr.mean().item()) < 1e-5 and abs(y_tr.std().item() - 1) < 1e-5    # standardised
+    assert not (x_te[:, None] == x_tr[None]).all(-1).all(-1).any()                 # no test sample is a training one
     x_tr, c_tr, _, _ = syn.classification_data(8, seed=0, n_train=2048, n_test=16)
     assert x_tr.shape == (2048, syn.T, 32)
+    teacher = syn.make_teacher(8, syn.K, seed=0)
+    assert torch.equal(c_tr, syn.combine(syn.teacher_terms(x_tr, teacher), syn.CLS_LAMBDA).argmax(1))
+    assert not torch.equal(c_tr, syn.combine(syn.teacher_terms(x_tr, teacher), 0.0).argmax(1))
     counts = torch.bincount(c_tr, minlength=syn.K)
     assert len(counts) == syn.K and counts.min() > 2048 / syn.K / 3     # every class occurs, none rare
+
+
+def test_summary_gains():
+    """DAMCHA's gain over MHA, paired by seed: (mha - damcha) / mha of the test MSE, damcha - mha of
+    the accuracy; damcha_ahead counts the seeds where the gain is positive."""
+    rows = []
+    for seed, (mse, acc) in enumerate([((1.0, 0.5), (0.5, 0.6)), ((2.0, 2.5), (0.4, 0.3))]):
+        for model, i in (("mha", 0), ("damcha", 1)):
+            common = dict(seed=seed, model=model, params=100, gen_width=8)
+            rows += [dict(common, task="regression", x=0.5, test_mse=mse[i]),
+                     dict(common, task="classification", x=8, test_acc=acc[i])]
+    regression, classification = syn.summarize(rows)
+    assert regression["gain_mean"] == pytest.approx((0.5 - 0.25) / 2) and regression["damcha_ahead"] == 1
+    assert regression["mha_mean"] == 1.5 and regression["damcha_std"] == pytest.approx(math.sqrt(2))
+    assert classification["gain_mean"] == pytest.approx(0.0) and classification["damcha_ahead"] == 1
+    assert classification["gain_std"] == pytest.approx(math.sqrt(0.02))
 
 
 @pytest.mark.parametrize("d_e", syn.DIMS)
