@@ -1,6 +1,7 @@
-"""synthetic.py: the synthetic tasks have the structure its docstring states (and the formulas written
-out entry by entry), train and test samples are distinct, the summary's gains are paired by seed, the models are at equal
-parameter count, a tiny training run gives finite numbers, and the committed sweep is complete.
+"""synthetic.py: the synthetic tasks have the structure its docstring states (and the formulas,
+written out entry by entry), train and test samples are distinct, the summary's gains are paired
+by seed, the models are at equal parameter count, a tiny training run gives finite numbers, and
+the committed sweep is complete.
 
     python -m pytest -q tests/test_synthetic.py
 """
