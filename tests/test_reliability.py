@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -305,24 +306,47 @@ def test_damcha_numpy_checks_before_training_and_stops_on_a_non_finite_loss(tmp_
 # Messages about checkpoints
 
 def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, data_dir):
-    """A checkpoint that loads but holds a wrong-typed count or a non-finite weight or optimizer
-    moment (bytes overwritten inside a tensor) is one line at resume, and never changed."""
+    """A checkpoint that loads but holds a wrong-typed count, a non-finite weight or optimizer
+    moment (bytes overwritten inside a tensor), or a weight too few or too many, is one line at
+    resume, and never changed."""
     good = tmp_path / 'good'
     tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={good}', '--eval_interval=4', '--max_iters=4'])
     ckpt = torch.load(good / 'ckpt.pt', weights_only=True)
-    damaged = {'iter_num': dict(ckpt, iter_num='4'), 'best_val_loss': dict(ckpt, best_val_loss='x'),
-               'weight': dict(ckpt, model=dict(ckpt['model'], **{'wte.weight': ckpt['model']['wte.weight'] * float('nan')}))}
+    weight = ckpt['model']['wte.weight'].clone()
+    weight[3, 5] = float('nan')                  # one entry
+    damaged = {'iter_num': dict(ckpt, iter_num='4'), 'tokens': dict(ckpt, tokens=True),
+               'best_val_loss': dict(ckpt, best_val_loss='x'), 'weight': dict(ckpt, model=dict(ckpt['model'], **{'wte.weight': weight}))}
     moments = {k: dict(s) for k, s in ckpt['optimizer']['state'].items()}
     moments[0]['exp_avg_sq'] = moments[0]['exp_avg_sq'] * float('inf')
     damaged['moment'] = dict(ckpt, optimizer=dict(ckpt['optimizer'], state=moments))
+    damaged['missing'] = dict(ckpt, model={k: v for k, v in ckpt['model'].items() if k != 'ln_f.weight'})
+    damaged['extra'] = dict(ckpt, model=dict(ckpt['model'], extra=torch.zeros(1)))
     for name, bad in damaged.items():
         (tmp_path / name).mkdir()
         torch.save(bad, tmp_path / name / 'ckpt.pt')
         before = digest(tmp_path / name / 'ckpt.pt')
         message = fails('--init_from=resume', f'--out_dir={tmp_path / name}', f'--data_dir={data_dir}', '--max_iters=8')
-        assert 'is damaged: ' + ('it holds weights or optimizer state that are not finite' if name in ('weight', 'moment')
-                                 else f'{name} should be numbers') in message, message
+        if name in ('missing', 'extra'):
+            assert "the checkpoint's weights do not fit the model" in message, message
+        else:
+            assert 'is damaged: ' + ('it holds weights or optimizer state that are not finite' if name in ('weight', 'moment')
+                                     else f'{name} should be numbers') in message, message
         assert digest(tmp_path / name / 'ckpt.pt') == before
+
+
+def test_a_resume_in_a_copy_of_a_run_leaves_the_original_alone(tmp_path, data_dir, monkeypatch, capsys):
+    """The checkpoint remembers its out_dir, mode and init_from, but they are never taken from it:
+    a copied run resumed in the default out_dir carries on there, and eval_char.py without --mode evaluates."""
+    tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "a"}', '--eval_interval=4', '--max_iters=4'])
+    shutil.copytree(tmp_path / 'a', tmp_path / 'out-shakespeare')
+    before = digest(tmp_path / 'a' / 'ckpt.pt')
+    monkeypatch.chdir(tmp_path)
+    tc.main(['--init_from=resume', '--max_iters=8'])
+    assert digest(tmp_path / 'a' / 'ckpt.pt') == before
+    assert torch.load(tmp_path / 'out-shakespeare' / 'ckpt.pt', weights_only=True)['iter_num'] == 8
+    capsys.readouterr()
+    ec.main([])
+    assert json.loads(capsys.readouterr().out)['iter'] == 8
 
 
 def test_damaged_checkpoints_get_one_line_that_recommends_nothing_unsafe(tmp_path):

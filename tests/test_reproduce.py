@@ -218,3 +218,48 @@ def test_ctrl_c_waits_for_the_training_run_to_stop(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=30) == 130
     assert marker.read_text() == 'stopped'
+
+
+def test_statistics_against_tabulated_values():
+    """Student's t quantiles from the tables (two-sided 95%), and the interval and std they make."""
+    for dof, t in ((1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281)):
+        assert reproduce.t_quantile(0.975, dof) == pytest.approx(t, abs=1e-3)
+    mean, half = reproduce.interval([0.1, 0.2, 0.3])
+    assert mean == pytest.approx(0.2) and half == pytest.approx(4.3027 * 0.1 / math.sqrt(3), rel=1e-4)
+    assert reproduce.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)   # the sample std, n - 1
+
+
+def write_run(results, run, val_bpc, log=()):
+    (results / f'{run}.eval.json').write_text(json.dumps(dict(val_bpc=val_bpc, commit='c')))
+    (results / f'{run}.log.jsonl').write_text(''.join(
+        json.dumps(dict(time=t, val_bpc=v, val_loss=v * math.log(2), train_loss=v * math.log(2) - 0.1)) + '\n'
+        for t, v in log))
+
+
+def test_lr_summary_chooses_once_the_whole_grid_is_done(tmp_path, capsys):
+    write_run(tmp_path, 'mha-lr0.001', 2.0)
+    reproduce.lr_summary(['mha'], [1e-3, 2e-3], {'mha': 1}, str(tmp_path), 'c')
+    assert json.loads((tmp_path / 'summary.json').read_text())['chosen_lr'] == {}
+    write_run(tmp_path, 'mha-lr0.002', 1.9)
+    reproduce.lr_summary(['mha'], [1e-3, 2e-3], {'mha': 1}, str(tmp_path), 'c')
+    assert json.loads((tmp_path / 'summary.json').read_text())['chosen_lr'] == {'mha': 0.002}
+
+
+def test_seed_summary_pairs_each_seed_with_mha(tmp_path, capsys):
+    """Differences to MHA seed by seed: at equal steps (the final val bpc), and at equal time (the
+    logged val estimates interpolated at the earlier of the two finishing times)."""
+    write_run(tmp_path, 'mha-seed1', 2.0, [(0, 3.0), (10, 2.0)])
+    write_run(tmp_path, 'mha-seed2', 2.2, [(0, 3.0), (10, 2.2)])
+    write_run(tmp_path, 'damcha-seed1', 2.1, [(0, 3.0), (20, 2.1)])    # at t = 10: 2.55
+    write_run(tmp_path, 'damcha-seed2', 2.2, [(0, 3.0), (10, 2.2)])
+    variants = ['mha', 'damcha']
+    reproduce.seed_summary(variants, 2, {v: {} for v in variants}, {v: 100 for v in variants},
+                           {v: 1e-3 for v in variants}, str(tmp_path), 'i', 'c')
+    rows = {r['variant']: r for r in json.loads((tmp_path / 'summary.json').read_text())['rows']}
+    damcha = rows['damcha']
+    assert damcha['val_bpc'] == [2.1, 2.2] and damcha['val_bpc_mean'] == pytest.approx(2.15)
+    steps, time_ = damcha['diff_equal_steps'], damcha['diff_equal_time']
+    assert steps[0] == pytest.approx(0.05) and steps[1] == pytest.approx(12.7062 * 0.05, rel=1e-4)   # stdev(0.1, 0) / sqrt(2) = 0.05
+    assert time_[0] == pytest.approx((0.55 + 0.0) / 2)
+    assert damcha['gap_mean'] == pytest.approx(0.1 / math.log(2)) and damcha['minutes'] == pytest.approx(15 / 60)
+    assert rows['mha']['diff_equal_steps'] == [0.0, 0.0]

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import damcha_numpy
 from common import MetricSizedOutputs, rel_err
-from damcha_torch import GPT, GPTConfig, MetricGenerator, rowsum
+from damcha_torch import GPT, GPTConfig, MetricGenerator, count_params, rowsum
 from spec_reference import reference_forward, reference_random_params
 
 # three layers: with two, a shared metric gets dm from one layer only, and its sum over layers goes untested
@@ -419,6 +419,14 @@ def test_adamw_matches_numpy(variant):
         damcha_numpy.adamw_step(params, grads, state, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
         errors = {k: rel_err(p.detach(), params[k]) for k, p in named.items()}
         assert max(errors.values()) < 1e-12, errors
+
+
+def test_parameter_count_written_out():
+    """count_params (GPT.get_num_params): every weight but the position embeddings, the token
+    embedding counted once (it is also the lm_head)."""
+    V, T, D = 11, 16, 16
+    layer = 2 * D + (D * 3 * D + 3 * D) + (D * D + D) + 2 * D + (D * 4 * D + 4 * D) + (4 * D * D + D)
+    assert count_params(dict(vocab_size=V, block_size=T, n_layer=1, n_head=2, n_embd=D, attn="mha")) == V * D + layer + 2 * D
 
 
 def test_flops_count_generator_and_metric():

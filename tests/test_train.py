@@ -164,13 +164,15 @@ def test_command_line_errors_have_no_traceback():
 
 def test_the_interpreted_kernel_is_refused_in_16_bit(monkeypatch):
     """Triton's interpreter (the kernel on a CPU) runs in float32 only: bf16 is one line, not a
-    traceback from inside the op."""
+    traceback from inside the op. On CUDA every dtype is the kernel's (checked here without one)."""
     if importlib.util.find_spec('triton') is None:   # found, not imported: tests/test_triton.py picks its mode first
         pytest.skip("needs the triton package")
     monkeypatch.setenv('TRITON_INTERPRET', '1')
     with pytest.raises(SystemExit, match="in float32 only, not bfloat16; use --dtype=float32"):
         checkpoint.check_kernel('triton', 'cpu', 'bfloat16')
     checkpoint.check_kernel('triton', 'cpu', 'float32')
+    for dtype in ('float32', 'bfloat16', 'float16'):
+        checkpoint.check_kernel('triton', 'cuda', dtype)
 
 
 def test_config_mode_prints_the_composed_settings():
