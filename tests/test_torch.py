@@ -316,7 +316,8 @@ def test_generate_samples_at_the_temperature_within_top_k(temperature, top_k):
     torch.manual_seed(0)
     out = model.generate(torch.zeros(n, 2, dtype=torch.long), 1, temperature=temperature, top_k=top_k)
     freq = torch.bincount(out[:, -1], minlength=4).double() / n
-    p = torch.softmax(torch.where(z >= z.sort(descending=True).values[(top_k or 4) - 1], z, -math.inf) / temperature, 0)
+    kept = z >= z.topk(top_k or len(z)).values[-1]                 # the top_k largest logits
+    p = torch.softmax(torch.where(kept, z, -math.inf) / temperature, 0)
     assert torch.all((freq - p).abs() <= 4 * torch.sqrt(p * (1 - p) / n)), (freq, p)
 
 
@@ -425,8 +426,10 @@ def test_parameter_count_written_out():
     """count_params (GPT.get_num_params): every weight but the position embeddings, the token
     embedding counted once (it is also the lm_head)."""
     V, T, D = 11, 16, 16
-    layer = 2 * D + (D * 3 * D + 3 * D) + (D * D + D) + 2 * D + (D * 4 * D + 4 * D) + (4 * D * D + D)
-    assert count_params(dict(vocab_size=V, block_size=T, n_layer=1, n_head=2, n_embd=D, attn="mha")) == V * D + layer + 2 * D
+    linear = lambda n_in, n_out: n_in * n_out + n_out
+    layer = 2 * D + linear(D, 3 * D) + linear(D, D) + 2 * D + linear(D, 4 * D) + linear(4 * D, D)   # ln_1, attn, ln_2, mlp
+    wte, ln_f = V * D, 2 * D
+    assert count_params(dict(vocab_size=V, block_size=T, n_layer=1, n_head=2, n_embd=D, attn="mha")) == wte + layer + ln_f
 
 
 def test_flops_count_generator_and_metric():
