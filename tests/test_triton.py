@@ -332,6 +332,45 @@ def test_bench_reports_a_failing_implementation_and_times_the_others(capsys):
     assert [(r["metric"], r["impl"]) for r in rows if "fwd_ms" in r] == [("per_token", "torch"), ("static", "torch")]
 
 
+def test_bench_rows_compute_what_they_name(monkeypatch, capsys):
+    """bench_triton_gpu.py's arithmetic, with times set by hand (ms): the bandwidth on m is m's
+    bytes over the forward's time, in GB (1e9) per second; the speedups are the torch path's time
+    over each; tokens/s and the MFU of a step (6 FLOPs per parameter and token as the model
+    counts them) and of a matmul (2 per multiply-add)."""
+    import bench_triton_gpu as bench
+    times = iter([1e-6, 3e-6, 0.5e-6, 2e-6, 4e-6])   # torch fwd, fwd+bwd; fake fwd, fwd+bwd; the read of m
+    monkeypatch.setattr(bench, "time_ms", lambda fn, rep=60: next(times))
+    monkeypatch.setattr(bench, "METRICS", {"per_token": False})
+    bench.op_rows({"torch": torch_path, "fake": torch_path}, (1, 2, 4, 8), [torch.float32], 4.096e12, bench.Budget(60))
+    rows = {r["impl"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    # m (B, T, H, dh, dh) = (1, 4, 2, 8, 8) in float32 is 2048 bytes: read in 4e-6 ms, 512 GB/s
+    assert rows["read_m"]["m_GBps"] == 512.0 and rows["read_m"]["m_bandwidth_vs_peak"] == 0.125
+    assert (rows["torch"]["m_GBps"], rows["torch"]["m_bandwidth_vs_peak"], rows["torch"]["m_bandwidth_vs_read"]) == (2048.0, 0.5, 4.0)
+    assert (rows["fake"]["fwd_speedup_vs_torch"], rows["fake"]["fwd_bwd_speedup_vs_torch"], rows["fake"]["m_GBps"]) == (2.0, 1.5, 4096.0)
+
+    monkeypatch.setattr(bench, "time_ms", lambda fn, rep=60: 100.0)
+    config = dict(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=16, gen_width=8)
+    row, _ = bench.step_row(config, torch.zeros(2, 16, dtype=torch.long, device=DEVICE), False, peak_flops=1e9)
+    assert row["tokens_per_s"] == 320 and row["mfu"] == round(GPT(GPTConfig(**config)).flops_per_token() * 32 / 0.1 / 1e9, 3)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, rep=60: 1.0)
+    bench.matmul_row(1, 4, 8, peak_flops=1e6)
+    assert json.loads(capsys.readouterr().out)["mfu"] == 2 * 4 * 8 * 32 / 1e-3 / 1e6
+
+
+def test_bench_checks_fail_on_one_wrong_gradient_and_keep_their_budget(capsys):
+    """A check row is ok only if the output and every gradient are; a spent budget skips a row
+    without running it."""
+    import bench_triton_gpu as bench
+    wrong_dx = lambda x, m, v: torch_path(x, m, v) + 1e-2 * (x - x.detach())   # o exact, dx off
+    bench.checks(wrong_dx, [(1, 2, 20, 8)], [torch.float32], bench.Budget(60))
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2 and not any(r["ok"] for r in rows) and all(r["err_triton"]["o"] < 1e-6 for r in rows)
+    def never(x, m, v):
+        raise AssertionError("a skipped row ran")
+    bench.checks(never, [(1, 2, 20, 8)], [torch.float32], bench.Budget(-1))
+    assert all(json.loads(line)["skipped"] == "time budget" for line in capsys.readouterr().out.splitlines())
+
+
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "unshared"])
 def test_gpt_kernel_triton_matches_torch(share):
     """The whole GPT, kernel="triton" against kernel="torch" with the same weights, float32:
