@@ -51,6 +51,33 @@ def test_measure_rows_are_json_with_the_required_keys(rows):
     assert rows[0]["params"] == damcha_torch.count_params(dict(TINY, attn="mha"))
 
 
+def test_measure_computes_its_ratios_from_the_times(monkeypatch):
+    """bench.measure's arithmetic with times (s) and memory set by hand: tokens/s from the median
+    step, throughput_vs_mha the median over rounds of mha's time over the model's (not the ratio
+    of the medians), peak_vs_mha the ratio of the peaks above the 'before' of each process."""
+    times = {"mha": [1.0, 3.0, 10.0], "damcha": [4.0, 1.0, 2.0]}   # per-round ratios 0.25, 3, 5: median 3
+    monkeypatch.setattr(bench, "time_alternately", lambda steps, repeats, device: times)
+    peaks = iter([(170.0, 180.0), (170.0, 185.0)])                   # (before, peak) in a fresh process each
+    monkeypatch.setattr(bench, "fresh_process_peak_memory", lambda *a: next(peaks))
+    group = {"mha": (dict(TINY, attn="mha"), 2), "damcha": (dict(TINY, gen_width=8), 2)}
+    mha, damcha = bench.measure(group, "mha", "cpu", torch.float32, repeats=3)
+    assert (mha["tokens_per_sec"], mha["ms_per_step"], mha["peak_mb"]) == (round(2 * 16 / 3.0), 3000.0, 10.0)
+    assert (damcha["tokens_per_sec"], damcha["ms_per_step"], damcha["ms_min"]) == (2 * 16 / 2.0, 2000.0, 1000.0)
+    assert (damcha["throughput_vs_mha"], damcha["peak_vs_mha"], damcha["rss_peak_mb"]) == (3.0, 1.5, 185.0)
+
+
+def test_numpy_vs_torch_and_parts_from_the_times(monkeypatch):
+    monkeypatch.setattr(bench, "time_alternately", lambda steps, repeats, device: {"numpy_f64": [0.3, 0.3], "torch_f64": [0.1, 0.1]})
+    numpy_row, torch_row = bench.numpy_vs_torch(repeats=2)
+    tokens = bench.NUMPY_BATCH * bench.NUMPY_FIELDS["block_size"]
+    assert numpy_row["time_vs_torch"] == 3.0 and numpy_row["tokens_per_sec"] == round(tokens / 0.3)
+    assert torch_row["ms_per_step"] == 100.0
+    parts = dict(generator=[0.001, 0.002, 0.010], metric=[0.004] * 3, attention=[0.003] * 3, mha_qk=[0.001] * 3)
+    monkeypatch.setattr(bench, "time_alternately", lambda steps, repeats, device: parts)
+    row = bench.cost_breakdown(dict(TINY, gen_width=8), 2, "cpu", torch.float32, repeats=3)
+    assert (row["generator_ms"], row["metric_ms"], row["attention_ms"], row["mha_qk_ms"]) == (2.0, 4.0, 3.0, 1.0)
+
+
 def test_cost_breakdown_times_every_part():
     row = bench.cost_breakdown(dict(TINY, gen_width=8), 2, "cpu", torch.float32, repeats=2)
     assert {"name", "params", "tokens_per_sec", "peak_mb"} <= row.keys()

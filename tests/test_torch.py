@@ -452,6 +452,9 @@ def test_flops_count_causal_attention():
     D, L, T, V = TINY["n_embd"], TINY["n_layer"], TINY["block_size"], TINY["vocab_size"]
     mha = GPT(GPTConfig(**TINY, attn="mha"))
     assert mha.flops_per_token() == 6 * (L * (12 * D * D + 2 * D * T // 2) + D * V)
+    # DAMCHA with a static metric: c_v, c_proj and the MLP (10 D^2), the queries q = x m (D dh), the same attention
+    static = GPT(GPTConfig(**TINY, adaptive=False))
+    assert static.flops_per_token() == 6 * (L * (10 * D * D + D * (D // TINY["n_head"]) + 2 * D * T // 2) + D * V)
 
 
 def test_mfu_peak_by_dtype():

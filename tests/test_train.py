@@ -126,6 +126,7 @@ def test_config_types_files_and_order(tmp_path):
     assert cfg['compile'] is True and cfg['start'] == '123' and cfg['n_layer'] == 3
     assert given == {'batch_size', 'learning_rate', 'dataset', 'compile', 'beta2', 'start', 'n_layer'}
     assert all(f in tc.DEFAULTS for f in tc.MODEL_KEYS)   # every GPTConfig field is a setting
+    assert tc.parse_config(['--compile'])[0]['compile'] is True   # a bare boolean flag sets it
 
 
 def test_bad_settings_are_one_line_errors(tmp_path):
