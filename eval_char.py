@@ -99,7 +99,7 @@ def evaluate(cfg, given):
 
 def sample(cfg, given):
     if cfg['compile']:   # generate() calls the module itself, which torch.compile's wrapper would not reach
-        die("compile=True is for --mode=eval: sampling runs the model uncompiled")
+        print("note: compile=True applies to --mode=eval; sampling runs the model uncompiled", file=sys.stderr)
     ckpt, cfg, model, device, ctx = load_for_inference(cfg, given)
     ids = encode(cfg['start'], ckpt['vocab'], cfg['block_size'])
     torch.manual_seed(cfg['seed'])
