@@ -110,9 +110,11 @@ def write_splits(folder, ids, vocab, percents, source, digest):
 
 
 def download(url, part, archive):
+    """url into the file `part`, which appears only once the download is complete: a dropped
+    connection or a Ctrl-C leaves nothing behind (atomic_write), and the next attempt starts over."""
     print(f"downloading {url} to {archive}", file=sys.stderr)
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(part, 'wb') as f:
+        with urllib.request.urlopen(url, timeout=60) as response, atomic_write(part) as f:
             size = int(response.headers.get('Content-Length') or 0) or None
             with tqdm(total=size, unit='B', unit_scale=True, desc=os.path.basename(archive)) as bar:
                 while chunk := response.read(1 << 20):

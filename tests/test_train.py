@@ -13,6 +13,7 @@ import functools
 import hashlib
 import http.server
 import importlib.util
+import io
 import json
 import math
 import os
@@ -272,6 +273,23 @@ def test_offline_download_says_where_to_put_the_archive(tmp_path, monkeypatch):
     message = fails('--dataset=mix', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}')
     assert 'could not download http://127.0.0.1:9/' in message
     assert f"put it at {tmp_path / 'data' / 'enwik8' / 'enwik8.zip'}" in message
+
+
+def test_a_dropped_download_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The connection drops after the first chunk: one line, and no partial file is left in the
+    dataset's folder (a leftover would be taken for the archive, or clutter it)."""
+    make_corpora(str(tmp_path / 'zips'), monkeypatch)
+
+    class Dropped(io.BytesIO):
+        headers = {'Content-Length': str(3 << 20)}
+        def read(self, n=-1):
+            if self.tell():
+                raise ConnectionResetError('connection reset by peer')
+            return super().read(n)
+    monkeypatch.setattr(prep.urllib.request, 'urlopen', lambda url, timeout: Dropped(b'x' * (2 << 20)))
+    message = fails('--dataset=enwik8', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}')
+    assert 'could not download' in message and 'connection reset by peer' in message
+    assert os.listdir(tmp_path / 'data' / 'enwik8') == []
 
 
 def test_wrong_archive_is_reported_and_kept(corpora, monkeypatch):
