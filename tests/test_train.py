@@ -275,20 +275,27 @@ def test_offline_download_says_where_to_put_the_archive(tmp_path, monkeypatch):
     assert f"put it at {tmp_path / 'data' / 'enwik8' / 'enwik8.zip'}" in message
 
 
-def test_a_dropped_download_leaves_nothing_behind(tmp_path, monkeypatch):
-    """The connection drops after the first chunk: one line, and no partial file is left in the
-    dataset's folder (a leftover would be taken for the archive, or clutter it)."""
+@pytest.mark.parametrize('cut', [ConnectionResetError('connection reset by peer'), KeyboardInterrupt()])
+def test_a_dropped_download_leaves_nothing_behind(tmp_path, monkeypatch, cut):
+    """The connection drops, or Ctrl-C comes, after the first chunk: one line, and no partial file
+    is left in the dataset's folder."""
     make_corpora(str(tmp_path / 'zips'), monkeypatch)
 
     class Dropped(io.BytesIO):
         headers = {'Content-Length': str(3 << 20)}
         def read(self, n=-1):
             if self.tell():
-                raise ConnectionResetError('connection reset by peer')
+                raise cut
             return super().read(n)
     monkeypatch.setattr(prep.urllib.request, 'urlopen', lambda url, timeout: Dropped(b'x' * (2 << 20)))
-    message = fails('--dataset=enwik8', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}')
-    assert 'could not download' in message and 'connection reset by peer' in message
+    argv = '--dataset=enwik8', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}'
+    if isinstance(cut, KeyboardInterrupt):
+        with pytest.raises(SystemExit) as e:
+            run(*argv)
+        assert e.value.code == 130
+    else:
+        message = fails(*argv)
+        assert 'could not download' in message and 'connection reset by peer' in message
     assert os.listdir(tmp_path / 'data' / 'enwik8') == []
 
 
