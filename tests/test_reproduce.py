@@ -9,6 +9,7 @@ rerun skips every finished run. A device the machine lacks is refused before any
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,6 +73,32 @@ def test_tiny_sweep_and_rerun(tmp_path):
     out, again = sweep(tmp_path)
     assert out.count('skip ') == len(VARIANTS) and 'train ' not in out
     assert again < first
+
+
+# The commands that wrote the committed results (README), each with its folder under results/
+COMMITTED = [('charlevel/shakespeare', ['--device=cpu']),
+             ('study2x2/lr', ['--study=2x2', '--regime=lr', '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
+             ('study2x2/i', ['--study=2x2', '--regime=i', '--device=cpu', '--snapshot=damcha_full-seed1']),
+             ('study2x2/ii', ['--study=2x2', '--regime=ii', '--device=cpu'])]
+
+
+def test_committed_summaries_are_what_a_rerun_writes(tmp_path):
+    """Rerun on a copy of results/, every run is skipped and each summary is written again: it must
+    come out as committed, but for the commit it was written at. A change to the code that changes
+    a summary (a default setting, a statistic) must come with the summary rewritten."""
+    shutil.copytree(os.path.join(ROOT, 'results'), tmp_path / 'results', ignore=shutil.ignore_patterns('snapshots'))
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    for folder, args in COMMITTED:
+        where = tmp_path / 'results' / folder
+        results = where if folder.startswith('charlevel') else where.parent
+        p = subprocess.run([sys.executable, 'reproduce.py', *args, f'--results={results}',
+                            f"--out_root={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert p.returncode == 0 and 'done ' not in p.stdout, p.stdout + p.stderr
+        committed = os.path.join(ROOT, 'results', folder)
+        without_commit = lambda path: {k: v for k, v in json.loads(open(path).read()).items() if k != 'commit'}
+        assert without_commit(where / 'summary.json') == without_commit(os.path.join(committed, 'summary.json')), folder
+        assert (where / 'summary.md').read_text() == open(os.path.join(committed, 'summary.md')).read(), folder
 
 
 def test_study_2x2_lr_sweep_then_regime_i(tmp_path):
