@@ -4,8 +4,10 @@ damcha_numpy.py: the whole DAMCHA GPT in NumPy, with a hand-written backward pas
 DAMCHA (Data-Adaptive Mahalanobis Cross-Head Attention, arXiv 2610.13261) replaces the query
 and key projections of multi-head attention by a D x D cross-head metric M(c) that a small MLP
 (the metric generator f) computes from the causal context c of every position. Head i compares
-its own slice x_i of the layer input through m_i = sum_j M_ij (RowSum), so the off-diagonal
-blocks M_ij (j != i) let head i's similarity depend on the other heads' subspaces.
+its own slice x_i of the layer input through m_i = sum_j M_ij (RowSum). The off-diagonal
+blocks M_ij (j != i) are only added into m_i: head i never reads another head's slice, and the
+other heads' subspaces reach it through the generator, which reads all of c (docs/model.md,
+"What is known not to match the paper's claims").
 
 This file is the reference that the PyTorch model and the GPU kernel are checked against. It
 follows the model as docs/model.md writes it down, equation by equation. Every operation is a pair, llm.c style:
@@ -39,7 +41,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     attn: str = "damcha"     # "damcha" | "mha" (the baseline)
-    adaptive: bool = True    # False: M is a learned constant, the ablation "without f(x)"
+    adaptive: bool = True    # False: M (or m, when folded) is a learned constant, the ablation "without f(x)"
     share: bool = True       # one generator for the whole stack (Section 3.4)
     blocks: str = "all"      # which blocks RowSum adds: "all" | "diag" (M_ii) | "offdiag" (j != i)
     gen_out: str = "full"    # "full": f outputs M (D*D numbers); "folded": f outputs m (H*dh*dh)
@@ -99,7 +101,7 @@ def linear_forward(x, weight, bias=None):
 
 def linear_backward(dout, cache):
     x, weight, has_bias = cache
-    dout2 = dout.reshape(-1, dout.shape[-1])                  # (N, n_out)
+    dout2 = dout.reshape(-1, dout.shape[-1])                  # (B*T, n_out): every position's rows
     dweight = dout2.T @ x.reshape(-1, x.shape[-1])            # (n_out, n_in)
     dbias = dout2.sum(0) if has_bias else None
     return dout @ weight, dweight, dbias
@@ -167,7 +169,7 @@ def prefix_mean_forward(z):
 
 
 def prefix_mean_backward(dc, counts):
-    # z_s feeds every c_t with t >= s, each with weight 1/t: a cumulative sum taken backwards in time
+    # z_s feeds every c_t with t >= s, each with weight 1/(t+1): a cumulative sum taken backwards in time
     return np.cumsum((dc / counts)[:, ::-1], axis=1)[:, ::-1]
 
 
@@ -235,11 +237,11 @@ def metric_forward(params, prefix, config, u):
         g, lead = params[prefix + "metric"], ()                                   # (D, D) or (H, dh, dh)
     cache["g_shape"] = g.shape
     if config.gen_out == "full":
-        M = g.reshape(*lead, H, dh, H, dh)   # Eq. 3: M(c), the D x D cross-head metric; M_ij = M[..., i, :, j, :]
+        M = g.reshape(*lead, H, dh, H, dh)   # Eq. 3: the D x D cross-head metric (M(c), or static); M_ij = M[..., i, :, j, :]
         M, cache["mask"] = block_mask_forward(M, config.blocks)
-        m, cache["rowsum"] = rowsum_forward(M)                                    # Eq. 4: (B, T, H, dh, dh)
+        m, cache["rowsum"] = rowsum_forward(M)                                    # Eq. 4: (B, T, H, dh, dh) or (H, dh, dh)
     else:
-        m = g.reshape(*lead, H, dh, dh)      # folded: f outputs m_i directly
+        m = g.reshape(*lead, H, dh, dh)      # folded: f (or the static metric) holds the m_i themselves
     return m, (prefix, config, cache)
 
 
@@ -279,7 +281,8 @@ def metric_query_backward(dq, cache):
 
 
 def scores_forward(q, k):
-    # Eq. 5: S[b, h, t, s] = q_t . k_s / sqrt(dh).  q, k (B, H, T, dh) -> S (B, H, T, T)
+    # Eq. 5: S[b, i, t, s] = q_t . k_s / sqrt(dh) for head i.  q, k (B, H, T, dh) -> S (B, H, T, T)
+    # Every (t, s) is computed; Eq. 5's s <= t is the mask that causal_softmax_forward applies
     scale = 1.0 / math.sqrt(q.shape[-1])
     return (q @ k.swapaxes(-1, -2)) * scale, (q, k, scale)
 
@@ -290,7 +293,8 @@ def scores_backward(dS, cache):
 
 
 def causal_softmax_forward(S):
-    # Eq. 6: A = softmax over s <= t; later positions get probability exactly 0.  (B, H, T, T)
+    # Eq. 5's causal mask, then Eq. 6: A = softmax over s <= t; later positions get probability
+    # exactly 0.  (B, H, T, T)
     T = S.shape[-1]
     S = np.where(np.tril(np.ones((T, T), dtype=bool)), S, -np.inf)
     A = np.exp(S - S.max(-1, keepdims=True))

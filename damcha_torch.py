@@ -4,8 +4,9 @@ damcha_torch.py: the DAMCHA GPT in PyTorch, in the shape of nanoGPT's model.py.
 DAMCHA (Data-Adaptive Mahalanobis Cross-Head Attention, arXiv 2610.13261) drops the query and
 key projections of multi-head attention. A small MLP, the metric generator f, reads the causal
 prefix mean c of every position and outputs a D x D cross-head metric M(c); head i compares
-its own slice x_i of the layer input through m_i = sum_j M_ij (RowSum), so the off-diagonal
-blocks M_ij (j != i) let the other heads' subspaces shape head i's similarity.
+its own slice x_i of the layer input through m_i = sum_j M_ij (RowSum). The off-diagonal
+blocks M_ij (j != i) are only added into m_i: head i never reads another head's slice, and the
+other heads' subspaces reach it through the generator, which reads all of c.
 
 The model is the one docs/model.md describes; damcha_numpy.py is the NumPy reference with the same
 parameter names and layouts, so one set of weights loads into both (tests/test_torch.py checks
@@ -41,7 +42,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     attn: str = "damcha"     # "damcha" | the baselines "mha", "dcmha", "tha" (these two: PyTorch only)
-    adaptive: bool = True    # False: M is a learned constant, the ablation "without f(x)"
+    adaptive: bool = True    # False: M (or m, when folded) is a learned constant, the ablation "without f(x)"
     share: bool = True       # one generator for the whole stack (Section 3.4)
     blocks: str = "all"      # which blocks RowSum adds: "all" | "diag" (M_ii) | "offdiag" (j != i)
     gen_out: str = "full"    # "full": f outputs M (D*D numbers); "folded": f outputs m (H*dh*dh)
@@ -94,9 +95,10 @@ class GPTConfig:
 def rowsum(M, config):
     """Eq. 4, RowSum m_i = sum_j M_ij, over the blocks that config.blocks keeps.
 
-    M holds D*D rows laid out as Eq. 3's D x D metric, row-major: row (i*dh + a)*D + j*dh + b
-    is entry (a, b) of block M_ij. It is the generator's last weight (D*D, w), its bias (D*D,)
-    or a static metric (D, D). Returns (H, dh, dh, k), k = w for a weight and 1 otherwise."""
+    M holds Eq. 3's D x D metric, row-major, with k numbers per entry: entry (a, b) of block M_ij
+    is row (i*dh + a)*D + j*dh + b of the generator's last weight (D*D, k), k its input width, or
+    of its bias (D*D,), or entry [i*dh + a, j*dh + b] of a static metric (D, D).
+    Returns (H, dh, dh, k), k = 1 for a bias or a static metric."""
     H = config.n_head
     dh = config.n_embd // H
     M = M.reshape(H, dh, H, dh, -1)                                  # (i, a, j, b, k)
@@ -253,7 +255,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v = (a.view(B, T, H, dh).transpose(1, 2) for a in self.c_attn(u).split(D, dim=2))
         else:
             if m is None:
-                m = compute_metric(self, u, self.config, state)      # Eqs. 3-4: m = RowSum(f(c))
+                m = compute_metric(self, u, self.config, state)      # Eqs. 3-4: m = RowSum(M), (B, T, H, dh, dh) or static (H, dh, dh)
             if self.config.qk == "slice":
                 x = xk = u.view(B, T, H, dh)                         # head slices x_i: no q/k projections
                 v = self.c_v(u).view(B, T, H, dh).transpose(1, 2)    # Eq. 7, (B, H, T, dh)
@@ -279,7 +281,7 @@ class CausalSelfAttention(nn.Module):
                  else torch.einsum("bthd,hde->bthe", x, m))
             q = q.transpose(1, 2)                                    # (B, H, T, dh)
             k = xk.transpose(1, 2)                                   # slice: the keys are the x_i themselves; proj: (u W_k)_i
-        k, v = extend_cache(state, k, v)                             # (B, H, S, dh), S = t + T
+        k, v = extend_cache(state, k, v)                             # (B, H, t + T, dh): the cached keys, then these
         # Eqs. 5-7: softmax(q k^T / sqrt(dh)) v over s <= t. With a cache the T new queries are the
         # last positions, so causal masking is only needed when there is no earlier token;
         # GPT.forward feeds a single token once the cache holds any.

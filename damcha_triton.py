@@ -6,7 +6,7 @@ hand-written flash-attention-2 style backward pass.
     x  (B, H, T, dh)   the head slices x_i of the layer input u: the keys, and the queries' inputs
     m  (B, T, H, dh, dh) per-token metrics m_i[b, t], or (H, dh, dh) for a static metric
     v  (B, H, T, dh)   the values
-    o  (B, H, T, dh)   = F.scaled_dot_product_attention(q, x, v, is_causal=True), q[b, h, t] = x[b, h, t] @ m
+    o  (B, H, T, dh)   = F.scaled_dot_product_attention(q, x, v, is_causal=True), q[b, h, t] = x[b, h, t] @ m[b, t, h]
 
 The forward kernel forms each query q_t = x_t m_t from the tile of m it loads for its block of
 positions, then runs causal attention with an online softmax: the (B, H, T, T) scores never reach
@@ -227,9 +227,9 @@ def _attn_fwd(x_ptr, m_ptr, v_ptr, o_ptr, lse_ptr, q_ptr,
 
 # ----------------------------------------------------------------------------------------------
 # Backward. With P = softmax(S) and dO the output gradient, from O = P V and S = q k^T / sqrt(dh):
-#   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D) where D_t = rowsum(dO_t * O_t) = sum_s P_ts dP_ts,
+#   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta) where delta_t = rowsum(dO_t * O_t) = sum_s P_ts dP_ts,
 #   dq = dS k / sqrt(dh),  dk = dS^T q / sqrt(dh).
-# Three kernels: _bwd_prep (D), _bwd_dkdv (one program per key block, looping over the queries
+# Three kernels: _bwd_prep (delta), _bwd_dkdv (one program per key block, looping over the queries
 # that see it), _bwd_dq (one program per query block, looping over its keys, then through q = x m
 # to dx). dx collects two parts, x being both the keys and the queries' input. The kernels write
 # dq, not dm: _backward forms dm = x^T dq in torch, where torch.compile can fuse it.
@@ -244,7 +244,7 @@ def _bwd_prep(o_ptr, do_ptr, delta_ptr,
     cols = tl.arange(0, DH)
     o = _load_rows(o_ptr + b * stride_ob + h * stride_oh, rows, cols, stride_ot, stride_od, T, dh)
     do = _load_rows(do_ptr + b * stride_dob + h * stride_doh, rows, cols, stride_dot, stride_dod, T, dh)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)            # D_t = rowsum(dO_t * O_t)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)            # delta_t = rowsum(dO_t * O_t)
     tl.store(delta_ptr + bh * T + rows, delta, mask=rows < T)
 
 
@@ -428,7 +428,7 @@ def _backward_plan(do, x, m, v, o, lse, q):
     delta = torch.empty(B, H, T, device=x.device, dtype=torch.float32)
     dk = _heads_like(x, torch.float32)    # float32: the two parts of dx are added before rounding
     launches = [
-        # D_t = rowsum(dO_t * O_t)
+        # delta_t = rowsum(dO_t * O_t)
         (_bwd_prep, (B * H, triton.cdiv(T, PREP_BLOCK)), (o, do, delta, *o.stride(), *do.stride(), H, T, dh),
          dict(BLOCK=PREP_BLOCK, DH=options["DH"])),
         # O = P V and P = softmax(q x^T / sqrt(dh)), from the side of the keys x: dv, and dk
