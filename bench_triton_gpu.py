@@ -397,14 +397,15 @@ def main(argv):
     smoke = cfg["smoke"]
     if DEVICE == "cpu" and not smoke:
         die("no CUDA GPU: run with --smoke to check the script on the CPU")
+    if DEVICE == "cpu":
+        # the interpreter must be chosen before triton is first imported: by damcha_triton, or by
+        # torch's compile machinery, which building a GPT below already loads
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:    # a model the model rows cannot build is refused now, not after the sections before them
         _, damcha = model_variants({k: cfg[k] for k in ("block_size", "n_layer", "n_head", "n_embd")}, cfg["gen_out"])
         GPTConfig(**damcha, kernel="triton")
     except ValueError as e:
         die(f"invalid model: {e}")
-    # the interpreter must be chosen before damcha_triton defines its kernels, hence the late imports
-    if smoke and DEVICE == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton
     from damcha_triton import damcha_attention
 
