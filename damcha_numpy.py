@@ -237,9 +237,9 @@ def metric_forward(params, prefix, config, u):
         g, lead = params[prefix + "metric"], ()                                   # (D, D) or (H, dh, dh)
     cache["g_shape"] = g.shape
     if config.gen_out == "full":
-        M = g.reshape(*lead, H, dh, H, dh)   # Eq. 3: the D x D cross-head metric (M(c), or static); M_ij = M[..., i, :, j, :]
+        M = g.reshape(*lead, H, dh, H, dh)   # Eq. 3: the D x D metric, M(c) or static; M_ij = M[..., i, :, j, :]
         M, cache["mask"] = block_mask_forward(M, config.blocks)
-        m, cache["rowsum"] = rowsum_forward(M)                                    # Eq. 4: (B, T, H, dh, dh) or (H, dh, dh)
+        m, cache["rowsum"] = rowsum_forward(M)                       # Eq. 4: (B, T, H, dh, dh), static (H, dh, dh)
     else:
         m = g.reshape(*lead, H, dh, dh)      # folded: f (or the static metric) holds the m_i themselves
     return m, (prefix, config, cache)

@@ -54,7 +54,7 @@ class GPTConfig:
     kernel: str = "torch"    # DAMCHA attention: "torch" (Eq. 5 product + SDPA) | "triton" (damcha_triton.py, fused)
     # The 2x2 study (issue 15; PyTorch only, NumPy keeps the defaults):
     qk: str = "slice"        # DAMCHA's queries and keys: "slice", Eq. 5's q_i = x_i m_i, k_i = x_i;
-                             # "proj", MHA's projections with the metric: q_i = (u W_q)_i m_i, k_i = (u W_k)_i
+                             # "proj", MHA's projections with the metric: q_i = (u W_q^T)_i m_i, k_i = (u W_k^T)_i
     metric_init: str = "normal"  # "normal": N(0, 0.02) as every weight; "identity": m_i = I at init
                              # (the static metric, or the generator's last bias; its weight stays N(0, 0.02))
     mlp_hidden: int = 0      # the MLP's hidden width; 0: 4 * n_embd. A width that can trade for parameters
@@ -228,8 +228,8 @@ class MetricQuery(torch.autograd.Function):
 
 class CausalSelfAttention(nn.Module):
     """DAMCHA attention (Eqs. 3-8), or with attn="mha" standard multi-head attention. With
-    qk="proj" DAMCHA's metric acts on MHA's projections: x_i below is (u W_q)_i for the query
-    and (u W_k)_i for the key, from MHA's c_attn, which also gives v."""
+    qk="proj" DAMCHA's metric acts on MHA's projections: x_i below is (u W_q^T)_i for the query
+    and (u W_k^T)_i for the key, from MHA's c_attn, which also gives v."""
 
     def __init__(self, config):
         super().__init__()
@@ -255,11 +255,11 @@ class CausalSelfAttention(nn.Module):
             q, k, v = (a.view(B, T, H, dh).transpose(1, 2) for a in self.c_attn(u).split(D, dim=2))
         else:
             if m is None:
-                m = compute_metric(self, u, self.config, state)      # Eqs. 3-4: m = RowSum(M), (B, T, H, dh, dh) or static (H, dh, dh)
+                m = compute_metric(self, u, self.config, state)      # Eqs. 3-4: (B, T, H, dh, dh), static (H, dh, dh)
             if self.config.qk == "slice":
                 x = xk = u.view(B, T, H, dh)                         # head slices x_i: no q/k projections
                 v = self.c_v(u).view(B, T, H, dh).transpose(1, 2)    # Eq. 7, (B, H, T, dh)
-            else:                                                    # projected: x_i = (u W_q)_i, keys (u W_k)_i
+            else:                                                    # projected: x_i = (u W_q^T)_i, keys (u W_k^T)_i
                 x, xk, v = (a.view(B, T, H, dh) for a in self.c_attn(u).split(D, dim=2))
                 v = v.transpose(1, 2)                                # (B, H, T, dh)
             # The kernel is for per-token metrics. A static m gives q = x m as one small matmul, and
@@ -280,7 +280,7 @@ class CausalSelfAttention(nn.Module):
             q = (MetricQuery.apply(x.to(m.dtype), m) if m.dim() == 5
                  else torch.einsum("bthd,hde->bthe", x, m))
             q = q.transpose(1, 2)                                    # (B, H, T, dh)
-            k = xk.transpose(1, 2)                                   # slice: the keys are the x_i themselves; proj: (u W_k)_i
+            k = xk.transpose(1, 2)                                   # slice: the keys are the x_i themselves; proj: (u W_k^T)_i
         k, v = extend_cache(state, k, v)                             # (B, H, t + T, dh): the cached keys, then these
         # Eqs. 5-7: softmax(q k^T / sqrt(dh)) v over s <= t. With a cache the T new queries are the
         # last positions, so causal masking is only needed when there is no earlier token;
