@@ -537,17 +537,18 @@ def study(opts, passthrough):
     root = opts['results'] or os.path.join(HERE, 'results', 'study' + opts['study'])
     out_root = os.path.join(opts['out_root'] or os.path.join(HERE, 'out-study', opts['study']), regime)
     results = os.path.join(root, regime)
+    summarized = with_finished(variants, STUDY, results)
     commit = git_commit()
     if regime == 'lr':
         dataset = training_split_file(out_root, passthrough.get('data_dir', ''))
         full_vocab = len(load_dataset(opts['dataset'], passthrough.get('data_dir', ''))[1])
-        runs, params, _ = study_plan(opts, passthrough, variants, dataset, full_vocab)
+        runs, params, _ = study_plan(opts, passthrough, summarized, dataset, full_vocab)
         grid = opts['lr_grid']
         jobs = [(f'{name}-lr{lr:g}', name, dict(learning_rate=lr, min_lr=lr / 10, seed=1)) for lr in grid for name in variants]
     else:
-        runs, params, _ = study_plan(opts, passthrough, variants, opts['dataset'], 0)
+        runs, params, _ = study_plan(opts, passthrough, summarized, opts['dataset'], 0)
         rates = chosen_rates(root)
-        missing = [v for v in variants if v not in rates]
+        missing = [v for v in summarized if v not in rates]
         if missing:
             die(f"the LR sweep has chosen no rate yet for {', '.join(missing)}: finish --regime=lr first")
         jobs = [(f'{name}-seed{s}', name, dict(learning_rate=rates[name], min_lr=rates[name] / 10, seed=s))
@@ -566,9 +567,9 @@ def study(opts, passthrough):
                                     dict(commit=commit, variant=name, **extra), may_diverge=regime == 'lr')
         print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}", flush=True)
     if regime == 'lr':
-        lr_summary(variants, grid, params, results, commit)
+        lr_summary(summarized, grid, params, results, commit)
     else:
-        seed_summary(variants, opts['seeds'], runs, params, rates, results, regime, commit)
+        seed_summary(summarized, opts['seeds'], runs, params, rates, results, regime, commit)
 
 
 def main(argv):
@@ -586,12 +587,21 @@ def main(argv):
         die(e)
 
 
+def with_finished(variants, table, results):
+    """The variants a summary covers: those asked for, and every other variant of `table` with a
+    finished run in `results`, in the table's order. A sweep split over several processes
+    (--variants=...) then never rewrites the summary without the other processes' rows."""
+    done = {f.split('-')[0] for f in os.listdir(results) if f.endswith('.eval.json')} if os.path.isdir(results) else set()
+    return [v for v in table if v in variants or v in done]
+
+
 def sweep(opts, passthrough):
     """The character-level comparison: every variant for --seeds seeds, then the summary."""
     dataset, variants = opts['dataset'], [v for v in opts['variants'].split(',') if v]
     results = opts['results'] or os.path.join(HERE, 'results', 'charlevel', os.path.basename(dataset))
     out_root = opts['out_root'] or os.path.join(HERE, 'out-reproduce', os.path.basename(dataset))
-    runs, params, typed = plan(opts, passthrough, variants)
+    summarized = with_finished(variants, VARIANTS, results)
+    runs, params, typed = plan(opts, passthrough, summarized)
     os.makedirs(results, exist_ok=True)
     for seed in range(1, opts['seeds'] + 1):
         for name in variants:
@@ -606,7 +616,7 @@ def sweep(opts, passthrough):
                                         f'{params[name]:,} parameters')
             print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}"
                   + (f", test bpc {result['test_bpc']:.4f}" if 'test_bpc' in result else ''), flush=True)
-    rows = summary_rows(variants, runs, params, typed, opts, results)
+    rows = summary_rows(summarized, runs, params, typed, opts, results)
     write_summary(rows, runs, opts, results)
     bad = [r['variant'] for r in rows if r['val_bpc_mean'] is not None and not math.isfinite(r['val_bpc_mean'])]
     if bad:

@@ -25,12 +25,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ('mha', 'damcha', 'damcha_static')
 
 
-def sweep(tmp_path):
+def sweep(tmp_path, variants=VARIANTS):
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     # batch 1024: the whole-split evaluations run in batches of batch_size and are most of the time
     args = ['--seeds=1', '--max_iters=6', '--eval_interval=3', '--eval_iters=2', '--n_layer=1', '--n_embd=32',
             '--n_head=2', '--block_size=16', '--batch_size=1024', '--max_new_tokens=5', '--device=cpu',
-            f"--variants={','.join(VARIANTS)}", f"--results={tmp_path / 'results'}",
+            f"--variants={','.join(variants)}", f"--results={tmp_path / 'results'}",
             f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}"]
     t0 = time.time()
     p = subprocess.run([sys.executable, 'reproduce.py', *args], cwd=ROOT, capture_output=True, text=True,
@@ -73,6 +73,12 @@ def test_tiny_sweep_and_rerun(tmp_path):
     out, again = sweep(tmp_path)
     assert out.count('skip ') == len(VARIANTS) and 'train ' not in out
     assert again < first
+
+    # one process of a split sweep (--variants=mha) keeps the other variants' rows in the summary
+    out, _ = sweep(tmp_path, variants=('mha',))
+    assert out.count('skip ') == 1
+    assert json.loads((results / 'summary.json').read_text()) == summary
+    assert (results / 'summary.md').read_text() == table
 
 
 # The commands that wrote the committed results (README), each with its folder under results/
