@@ -52,6 +52,10 @@ def load_checkpoint(out_dir):
     wrong = [k for k, kind in numbers.items() if type(ckpt[k]) is bool or not isinstance(ckpt[k], kind)]
     if wrong:
         die(f"{path} is damaged: {', '.join(wrong)} should be numbers")
+    vocab = ckpt['vocab']
+    if not (isinstance(vocab, list) and vocab and len(set(vocab)) == len(vocab)
+            and all(type(b) is int and 0 <= b < 256 for b in vocab)):
+        die(f"{path} is damaged: vocab should be a list of distinct byte values")
     # bytes overwritten inside a tensor still load: say so now, not as a diverging loss later
     state = [t for s in ckpt['optimizer'].get('state', {}).values() if isinstance(s, dict) for t in s.values()]
     if not all(torch.isfinite(t).all() for t in [*ckpt['model'].values(), *state]
@@ -155,7 +159,11 @@ def from_checkpoint(ckpt, cfg, given, keep=('mode', 'init_from', 'out_dir')):
     """The run's saved settings, overridden by those given now (and by keep, which are never
     taken from a checkpoint); model fields too, as long as the weights still fit (say
     --blocks=diag to ablate a trained model). Returns (settings, model_args)."""
-    merged = cfg | {k: v for k, v in ckpt['config'].items() if k in cfg and k not in given and k not in keep}
+    saved = {k: v for k, v in ckpt['config'].items() if k in cfg and k not in given and k not in keep}
+    wrong = [k for k, v in saved.items() if type(v) is not type(cfg[k]) and not (type(cfg[k]) is float and type(v) is int)]
+    if wrong:
+        die(f"the checkpoint is damaged: its saved settings {', '.join(wrong)} are not of their setting's type")
+    merged = cfg | saved
     model_args = {k: merged[k] if k in given else v for k, v in ckpt['model_args'].items()}
     return merged | model_args, model_args
 

@@ -307,8 +307,8 @@ def test_damcha_numpy_checks_before_training_and_stops_on_a_non_finite_loss(tmp_
 
 def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, data_dir):
     """A checkpoint that loads but holds a wrong-typed count, a non-finite weight or optimizer
-    moment (bytes overwritten inside a tensor), or a weight too few or too many, is one line at
-    resume, and never changed."""
+    moment (bytes overwritten inside a tensor), a weight too few or too many, a vocabulary that is
+    not byte values or a wrong-typed saved setting, is one line at resume, and never changed."""
     good = tmp_path / 'good'
     tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={good}', '--eval_interval=4', '--max_iters=4'])
     ckpt = torch.load(good / 'ckpt.pt', weights_only=True)
@@ -321,6 +321,8 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
     damaged['moment'] = dict(ckpt, optimizer=dict(ckpt['optimizer'], state=moments))
     damaged['missing'] = dict(ckpt, model={k: v for k, v in ckpt['model'].items() if k != 'ln_f.weight'})
     damaged['extra'] = dict(ckpt, model=dict(ckpt['model'], extra=torch.zeros(1)))
+    damaged['vocab'] = dict(ckpt, vocab=bytes(ckpt['vocab']).decode('latin-1'))   # a string, not byte values
+    damaged['setting'] = dict(ckpt, config=dict(ckpt['config'], learning_rate='x'))
     for name, bad in damaged.items():
         (tmp_path / name).mkdir()
         torch.save(bad, tmp_path / name / 'ckpt.pt')
@@ -328,6 +330,10 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
         message = fails('--init_from=resume', f'--out_dir={tmp_path / name}', f'--data_dir={data_dir}', '--max_iters=8')
         if name in ('missing', 'extra'):
             assert "the checkpoint's weights do not fit the model" in message, message
+        elif name == 'vocab':
+            assert 'is damaged: vocab should be a list of distinct byte values' in message, message
+        elif name == 'setting':
+            assert 'its saved settings learning_rate are not' in message, message
         else:
             assert 'is damaged: ' + ('it holds weights or optimizer state that are not finite' if name in ('weight', 'moment')
                                      else f'{name} should be numbers') in message, message
