@@ -9,7 +9,7 @@ Each argument, in order, overrides what came before:
     --key=value           one setting; the value is read as a Python literal and must have the
                           type of the default (an int is accepted where a float is due)
     --flag                short for --flag=True, for settings whose default is a bool
-    --help                the script's docstring
+    --help                the script's docstring, then every setting with its default
 A setting that does not exist, a value of the wrong type or outside the allowed choices ends the
 program with one line on stderr (die), never a traceback.
 """
@@ -17,6 +17,7 @@ import ast
 import difflib
 import math
 import os
+import textwrap
 
 
 def die(message):
@@ -31,7 +32,9 @@ def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=No
     config, given = dict(defaults), set()
     for arg in argv:
         if arg in ('-h', '--help'):
-            print((doc or '').strip())
+            print((doc or '').strip() + '\n\nsettings, with their defaults (--key=value):\n' + textwrap.fill(
+                ' '.join(f'{k}={v!r}' for k, v in defaults.items()), 100, initial_indent='  ',
+                subsequent_indent='  ', break_long_words=False, break_on_hyphens=False))
             raise SystemExit(0)
         if arg.startswith('--'):
             key, eq, text = arg[2:].partition('=')

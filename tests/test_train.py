@@ -130,6 +130,15 @@ def test_config_types_files_and_order(tmp_path):
     assert tc.parse_config(['--compile'])[0]['compile'] is True   # a bare boolean flag sets it
 
 
+def test_help_prints_the_docstring_and_every_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        tc.main(['--help'])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(tc.__doc__.strip())
+    assert out.split('--key=value):')[1].split() == [f'{k}={v!r}' for k, v in tc.DEFAULTS.items()]
+
+
 def test_bad_settings_are_one_line_errors(tmp_path):
     assert "did you mean 'batch_size'" in fails('--batchsize=3')
     assert 'expected int' in fails('--batch_size=1.5')
