@@ -127,6 +127,8 @@ def plot(cfg, given):
         log = read_jsonl(os.path.join(d, 'log.jsonl'))
         if not log:
             die(f"{d}/log.jsonl has no evaluations yet")
+        if not all(type(e.get(k)) in (int, float) for e in log for k in ('val_bpc', 'tokens', 'time')):
+            die(f"{d}/log.jsonl has an entry without val_bpc, tokens or time: not a log of train_char.py")
         bpc = [e['val_bpc'] for e in log]
         by_tokens.plot([e['tokens'] for e in log], bpc, marker='.', label=d)
         by_time.plot([e['time'] / 60 for e in log], bpc, marker='.', label=d)

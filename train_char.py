@@ -527,10 +527,10 @@ def train(cfg, given):
 
 def train_run(run):
     cfg = run.cfg
-    if run.master:
+    load_data(run)   # first: a missing dataset or a bad prompt is then the only line printed
+    if run.master:   # with vocab_size as the dataset gave it
         print('config:\n' + textwrap.indent(textwrap.fill(
             ' '.join(f'{k}={v!r}' for k, v in cfg.items()), 100, break_long_words=False), '  '))
-    load_data(run)
     hold(run)
     build(run)
     if run.master:

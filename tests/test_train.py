@@ -571,6 +571,13 @@ def test_plot_of_several_runs(trained, tmp_path):
     with open(png, 'rb') as f:
         assert f.read(8) == b'\x89PNG\r\n\x1a\n'
     assert 'log.jsonl' in fails_eval('--mode=plot', f'--out_dir={tmp_path}')
+    damaged = tmp_path / 'damaged'
+    damaged.mkdir()
+    entries = (trained / 'log.jsonl').read_text().splitlines()
+    first = json.loads(entries[0])
+    del first['val_bpc']
+    (damaged / 'log.jsonl').write_text('\n'.join([json.dumps(first)] + entries[1:]) + '\n')
+    assert 'has an entry without val_bpc, tokens or time' in fails_eval('--mode=plot', f'--out_dir={damaged}')
 
 
 # ---------------------------------------------------------------------------------------------
