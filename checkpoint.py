@@ -21,6 +21,7 @@ import re
 import shlex
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -39,7 +40,9 @@ def load_checkpoint(out_dir):
     if os.path.getsize(path) == 0:
         die(f"{path} is empty (0 bytes), not a checkpoint")
     try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+        with warnings.catch_warnings():   # e.g. on a plain pickle: the error below says it in one line
+            warnings.simplefilter('ignore')
+            ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:   # torch.load raises many kinds for a damaged file; all mean the same
         die(f"{path} is not a readable checkpoint: damaged, or not written by train_char.py "
             f"({type(e).__name__}: {load_error(e)})")

@@ -12,6 +12,7 @@ point of a test run in-process (tc.main), the ones that are run as subprocesses.
 import glob
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -365,3 +366,8 @@ def test_damaged_checkpoints_get_one_line_that_recommends_nothing_unsafe(tmp_pat
     last = one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "random"}', script='eval_char.py'), 'is not a readable checkpoint')
     assert 'weights_only' not in last and 'UnpicklingError' in last, last
     assert 'weights_only' not in json.dumps(fails('--init_from=resume', f'--out_dir={tmp_path / "random"}'))
+    (tmp_path / 'pickle').mkdir()   # a plain pickle (protocol 4), which torch.load warns about before refusing
+    (tmp_path / 'pickle' / 'ckpt.pt').write_bytes(pickle.dumps({'model': print}, protocol=4))
+    result = cli('--mode=sample', f'--out_dir={tmp_path / "pickle"}', script='eval_char.py')
+    one_line_error(result, 'is not a readable checkpoint')
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
