@@ -165,7 +165,8 @@ def from_checkpoint(ckpt, cfg, given, keep=('mode', 'init_from', 'out_dir')):
     saved = {k: v for k, v in ckpt['config'].items() if k in cfg and k not in given and k not in keep}
     wrong = [k for k, v in saved.items() if type(v) is not type(cfg[k]) and not (type(cfg[k]) is float and type(v) is int)]
     if wrong:
-        die(f"the checkpoint is damaged: its saved settings {', '.join(wrong)} are not of their setting's type")
+        die(f"{os.path.join(cfg['out_dir'], 'ckpt.pt')} is damaged: its saved settings {', '.join(wrong)} "
+            "are not of their setting's type")
     merged = cfg | saved
     model_args = {k: merged[k] if k in given else v for k, v in ckpt['model_args'].items()}
     return merged | model_args, model_args

@@ -17,7 +17,6 @@ import ast
 import difflib
 import math
 import os
-import textwrap
 
 
 def die(message):
@@ -32,9 +31,8 @@ def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=No
     config, given = dict(defaults), set()
     for arg in argv:
         if arg in ('-h', '--help'):
-            print((doc or '').strip() + '\n\nsettings, with their defaults (--key=value):\n' + textwrap.fill(
-                ' '.join(f'{k}={v!r}' for k, v in defaults.items()), 100, initial_indent='  ',
-                subsequent_indent='  ', break_long_words=False, break_on_hyphens=False))
+            print((doc or '').strip() + '\n\nsettings, with their defaults (--key=value):\n'
+                  + '\n'.join(f'  {k}={v!r}' for k, v in defaults.items()))
             raise SystemExit(0)
         if arg.startswith('--'):
             key, eq, text = arg[2:].partition('=')

@@ -537,22 +537,21 @@ def study(opts, passthrough):
     root = opts['results'] or os.path.join(HERE, 'results', 'study' + opts['study'])
     out_root = os.path.join(opts['out_root'] or os.path.join(HERE, 'out-study', opts['study']), regime)
     results = os.path.join(root, regime)
-    summarized = with_finished(variants, STUDY, results)
     commit = git_commit()
+    seeds, grid = range(1, opts['seeds'] + 1), opts['lr_grid']
     if regime == 'lr':
         dataset = training_split_file(out_root, passthrough.get('data_dir', ''))
-        full_vocab = len(load_dataset(opts['dataset'], passthrough.get('data_dir', ''))[1])
-        runs, params, _ = study_plan(opts, passthrough, summarized, dataset, full_vocab)
-        grid = opts['lr_grid']
+        vocab_size = len(load_dataset(opts['dataset'], passthrough.get('data_dir', ''))[1])
         jobs = [(f'{name}-lr{lr:g}', name, dict(learning_rate=lr, min_lr=lr / 10, seed=1)) for lr in grid for name in variants]
     else:
-        runs, params, _ = study_plan(opts, passthrough, summarized, opts['dataset'], 0)
+        dataset, vocab_size = opts['dataset'], 0
         rates = chosen_rates(root)
-        missing = [v for v in summarized if v not in rates]
+        missing = [v for v in variants if v not in rates]
         if missing:
             die(f"the LR sweep has chosen no rate yet for {', '.join(missing)}: finish --regime=lr first")
         jobs = [(f'{name}-seed{s}', name, dict(learning_rate=rates[name], min_lr=rates[name] / 10, seed=s))
-                for s in range(1, opts['seeds'] + 1) for name in variants]
+                for s in seeds for name in variants]
+    runs, params, _ = study_plan(opts, passthrough, variants, dataset, vocab_size)
     os.makedirs(results, exist_ok=True)
     for run, name, extra in jobs:
         eval_path = os.path.join(results, run + '.eval.json')
@@ -566,6 +565,15 @@ def study(opts, passthrough):
                                     opts, results, f'{params[name]:,} parameters', blocks,
                                     dict(commit=commit, variant=name, **extra), may_diverge=regime == 'lr')
         print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}", flush=True)
+    # other variants: in the LR sweep those with every rate of the grid done, which keeps their
+    # chosen rate; in regimes i and ii those with a rate and a finished seed
+    if regime == 'lr':
+        complete = lambda v: len(finished(results, [f'{v}-lr{lr:g}' for lr in grid])) == len(grid)
+    else:
+        complete = lambda v: v in rates and finished(results, [f'{v}-seed{s}' for s in seeds])
+    summarized = [v for v in STUDY if v in variants or complete(v)]
+    if summarized != variants:
+        runs, params, _ = study_plan(opts, passthrough, summarized, dataset, vocab_size)
     if regime == 'lr':
         lr_summary(summarized, grid, params, results, commit)
     else:
@@ -587,12 +595,11 @@ def main(argv):
         die(e)
 
 
-def with_finished(variants, table, results):
-    """The variants a summary covers: those asked for, and every other variant of `table` with a
-    finished run in `results`, in the table's order. A sweep split over several processes
-    (--variants=...) then never rewrites the summary without the other processes' rows."""
-    done = {f.split('-')[0] for f in os.listdir(results) if f.endswith('.eval.json')} if os.path.isdir(results) else set()
-    return [v for v in table if v in variants or v in done]
+def finished(results, runs):
+    """Those of the named runs whose eval JSON is in results. A summary covers the variants asked
+    for and every other one with finished runs, looked up once training is over: of a sweep split
+    over processes (--variants=...), the one that finishes last then writes every row."""
+    return [run for run in runs if os.path.exists(os.path.join(results, run + '.eval.json'))]
 
 
 def sweep(opts, passthrough):
@@ -600,8 +607,7 @@ def sweep(opts, passthrough):
     dataset, variants = opts['dataset'], [v for v in opts['variants'].split(',') if v]
     results = opts['results'] or os.path.join(HERE, 'results', 'charlevel', os.path.basename(dataset))
     out_root = opts['out_root'] or os.path.join(HERE, 'out-reproduce', os.path.basename(dataset))
-    summarized = with_finished(variants, VARIANTS, results)
-    runs, params, typed = plan(opts, passthrough, summarized)
+    runs, params, typed = plan(opts, passthrough, variants)
     os.makedirs(results, exist_ok=True)
     for seed in range(1, opts['seeds'] + 1):
         for name in variants:
@@ -616,6 +622,10 @@ def sweep(opts, passthrough):
                                         f'{params[name]:,} parameters')
             print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}"
                   + (f", test bpc {result['test_bpc']:.4f}" if 'test_bpc' in result else ''), flush=True)
+    seeds = range(1, opts['seeds'] + 1)
+    summarized = [v for v in VARIANTS if v in variants or finished(results, [f'{v}-seed{s}' for s in seeds])]
+    if summarized != variants:
+        runs, params, typed = plan(opts, passthrough, summarized)
     rows = summary_rows(summarized, runs, params, typed, opts, results)
     write_summary(rows, runs, opts, results)
     bad = [r['variant'] for r in rows if r['val_bpc_mean'] is not None and not math.isfinite(r['val_bpc_mean'])]

@@ -25,15 +25,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ('mha', 'damcha', 'damcha_static')
 
 
+def sweep_args(tmp_path, variants=VARIANTS, results='results'):
+    # batch 1024: the whole-split evaluations run in batches of batch_size and are most of the time
+    return ['--seeds=1', '--max_iters=6', '--eval_interval=3', '--eval_iters=2', '--n_layer=1', '--n_embd=32',
+            '--n_head=2', '--block_size=16', '--batch_size=1024', '--max_new_tokens=5', '--device=cpu',
+            f"--variants={','.join(variants)}", f"--results={tmp_path / results}",
+            f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}"]
+
+
 def sweep(tmp_path, variants=VARIANTS):
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
-    # batch 1024: the whole-split evaluations run in batches of batch_size and are most of the time
-    args = ['--seeds=1', '--max_iters=6', '--eval_interval=3', '--eval_iters=2', '--n_layer=1', '--n_embd=32',
-            '--n_head=2', '--block_size=16', '--batch_size=1024', '--max_new_tokens=5', '--device=cpu',
-            f"--variants={','.join(variants)}", f"--results={tmp_path / 'results'}",
-            f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}"]
     t0 = time.time()
-    p = subprocess.run([sys.executable, 'reproduce.py', *args], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, 'reproduce.py', *sweep_args(tmp_path, variants)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout, time.time() - t0
@@ -79,6 +82,23 @@ def test_tiny_sweep_and_rerun(tmp_path):
     assert out.count('skip ') == 1
     assert json.loads((results / 'summary.json').read_text()) == summary
     assert (results / 'summary.md').read_text() == table
+
+
+def test_a_split_sweep_summarizes_the_runs_the_other_process_finished_meanwhile(tmp_path, monkeypatch):
+    """Two processes side by side, --variants=mha and --variants=damcha: damcha's run finishes while
+    mha's trains. mha's process, finishing last, must write both rows. The runs are stand-ins: the
+    training step copies eval JSON into place, damcha's as if the other process had just written it."""
+    fake = {v: dict(val_bpc=3.0 + k, iter=6, variant=v) for k, v in enumerate(VARIANTS)}
+
+    def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, *rest, **kw):
+        for name in (run, 'damcha-seed1'):
+            with open(os.path.join(results, name + '.eval.json'), 'w') as f:
+                json.dump(fake[name.split('-')[0]], f)
+        return fake['mha']
+    monkeypatch.setattr(reproduce, 'train_and_evaluate', train_and_evaluate)
+    reproduce.main(sweep_args(tmp_path, variants=('mha',)))
+    rows = json.loads((tmp_path / 'results' / 'summary.json').read_text())['rows']
+    assert [(r['variant'], r['val_bpc']) for r in rows] == [('mha', [3.0]), ('damcha', [4.0])]
 
 
 # The commands that wrote the committed results (README), each with its folder under results/

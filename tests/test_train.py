@@ -136,7 +136,7 @@ def test_help_prints_the_docstring_and_every_default(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(tc.__doc__.strip())
-    assert out.split('--key=value):')[1].split() == [f'{k}={v!r}' for k, v in tc.DEFAULTS.items()]
+    assert out.split('--key=value):\n')[1].splitlines() == [f'  {k}={v!r}' for k, v in tc.DEFAULTS.items()]
 
 
 def test_bad_settings_are_one_line_errors(tmp_path):
