@@ -9,6 +9,7 @@ rerun skips every finished run. A device the machine lacks is refused before any
 import json
 import math
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -85,20 +86,50 @@ def test_tiny_sweep_and_rerun(tmp_path):
 
 
 def test_a_split_sweep_summarizes_the_runs_the_other_process_finished_meanwhile(tmp_path, monkeypatch):
-    """Two processes side by side, --variants=mha and --variants=damcha: damcha's run finishes while
-    mha's trains. mha's process, finishing last, must write both rows. The runs are stand-ins: the
-    training step copies eval JSON into place, damcha's as if the other process had just written it."""
-    fake = {v: dict(val_bpc=3.0 + k, iter=6, variant=v) for k, v in enumerate(VARIANTS)}
+    """Two processes side by side, --variants=damcha and --variants=mha,damcha_static: while damcha
+    trains, the other finishes mha and damcha_static's seed 1 of 2. damcha's process, finishing last,
+    must write every row, in the table's order. The runs are stand-ins that write eval JSON."""
+    def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, *rest, **kw):
+        for name, bpc in ((run, 4.0), ('mha-seed1', 3.0), ('mha-seed2', 3.1), ('damcha_static-seed1', 5.0)):
+            write_run(pathlib.Path(results), name, bpc, [(0, bpc + 1), (10, bpc)])
+        return dict(val_bpc=4.0)
+    monkeypatch.setattr(reproduce, 'train_and_evaluate', train_and_evaluate)
+    reproduce.main(sweep_args(tmp_path, variants=('damcha',)) + ['--seeds=2'])
+    rows = json.loads((tmp_path / 'results' / 'summary.json').read_text())['rows']
+    assert [(r['variant'], r['val_bpc']) for r in rows] == [('mha', [3.0, 3.1]), ('damcha', [4.0, 4.0]),
+                                                             ('damcha_static', [5.0])]
+
+
+def test_a_split_study_summarizes_what_the_other_process_finished(tmp_path, monkeypatch):
+    """The study's regimes split over processes: in the LR sweep another variant joins the summary
+    once its whole grid is done (damcha, not static with one rate), with the rate and parameter count
+    a run of it alone gives; in regime i, once it has a chosen rate and a finished seed (damcha, not
+    proj, which has no rate)."""
+    args = ['--study=2x2', '--max_iters=4', '--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16',
+            '--device=cpu', f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}"]
+    others = {'lr': [('damcha-lr0.001', 2.5), ('damcha-lr0.002', 2.4), ('static-lr0.001', 2.7)],
+              'i': [('damcha-seed1', 2.1), ('proj-seed1', 2.2)]}
 
     def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, *rest, **kw):
-        for name in (run, 'damcha-seed1'):
-            with open(os.path.join(results, name + '.eval.json'), 'w') as f:
-                json.dump(fake[name.split('-')[0]], f)
-        return fake['mha']
+        for name, bpc in [(run, 2.0)] + others[os.path.basename(results)]:
+            write_run(pathlib.Path(results), name, bpc, [(0, bpc + 1), (10, bpc)])
+        return dict(val_bpc=2.0)
     monkeypatch.setattr(reproduce, 'train_and_evaluate', train_and_evaluate)
-    reproduce.main(sweep_args(tmp_path, variants=('mha',)))
-    rows = json.loads((tmp_path / 'results' / 'summary.json').read_text())['rows']
-    assert [(r['variant'], r['val_bpc']) for r in rows] == [('mha', [3.0]), ('damcha', [4.0])]
+    lr_args = ['--regime=lr', '--lr_grid=1e-3,2e-3']
+    reproduce.main(args + lr_args + ['--variants=mha', f"--results={tmp_path / 'split'}"])
+    lr = json.loads((tmp_path / 'split' / 'lr' / 'summary.json').read_text())
+    assert list(lr['held_out_bpc']) == ['mha', 'damcha'] and lr['chosen_lr'] == {'mha': 0.001, 'damcha': 0.002}
+    others['lr'] = []
+    reproduce.main(args + lr_args + ['--variants=mha,damcha', f"--results={tmp_path / 'alone'}"])
+    params = lambda where: [line for line in (tmp_path / where / 'lr' / 'summary.md').read_text().splitlines()
+                            if line.startswith('| damcha |')][0].split('|')[2]
+    assert params('split') == params('alone')
+
+    (tmp_path / 'split' / 'lr' / 'summary.json').write_text(json.dumps(dict(chosen_lr=dict(mha=1e-3, damcha=2e-3,
+                                                                                               static=1e-3))))
+    reproduce.main(args + ['--regime=i', '--variants=mha', '--seeds=2', f"--results={tmp_path / 'split'}"])
+    rows = json.loads((tmp_path / 'split' / 'i' / 'summary.json').read_text())['rows']
+    assert [(r['variant'], r['runs']) for r in rows] == [('mha', 2), ('damcha', 1)]
 
 
 # The commands that wrote the committed results (README), each with its folder under results/
