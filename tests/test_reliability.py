@@ -322,8 +322,12 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
     damaged['moment'] = dict(ckpt, optimizer=dict(ckpt['optimizer'], state=moments))
     damaged['missing'] = dict(ckpt, model={k: v for k, v in ckpt['model'].items() if k != 'ln_f.weight'})
     damaged['extra'] = dict(ckpt, model=dict(ckpt['model'], extra=torch.zeros(1)))
-    damaged['vocab'] = dict(ckpt, vocab=bytes(ckpt['vocab']).decode('latin-1'))   # a string, not byte values
+    vocab = ckpt['vocab']
+    for k, bad in enumerate([bytes(vocab).decode('latin-1'), [], vocab[:-1] + vocab[:1], vocab[:-1] + [256],
+                             vocab[:-1] + [-1], vocab[:-1] + ['z']]):   # a string, none, a repeat, not bytes
+        damaged[f'vocab{k}'] = dict(ckpt, vocab=bad)
     damaged['setting'] = dict(ckpt, config=dict(ckpt['config'], learning_rate='x'))
+    damaged['setting_bool'] = dict(ckpt, config=dict(ckpt['config'], warmup_iters=True))
     for name, bad in damaged.items():
         (tmp_path / name).mkdir()
         torch.save(bad, tmp_path / name / 'ckpt.pt')
@@ -331,10 +335,11 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
         message = fails('--init_from=resume', f'--out_dir={tmp_path / name}', f'--data_dir={data_dir}', '--max_iters=8')
         if name in ('missing', 'extra'):
             assert "the checkpoint's weights do not fit the model" in message, message
-        elif name == 'vocab':
+        elif name.startswith('vocab'):
             assert 'is damaged: vocab should be a list of distinct byte values' in message, message
-        elif name == 'setting':
-            assert 'its saved settings learning_rate are not' in message, message
+        elif name.startswith('setting'):
+            setting = 'learning_rate' if name == 'setting' else 'warmup_iters'
+            assert f'is damaged: its saved settings {setting} are not' in message, message
         else:
             assert 'is damaged: ' + ('it holds weights or optimizer state that are not finite' if name in ('weight', 'moment')
                                      else f'{name} should be numbers') in message, message

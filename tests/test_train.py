@@ -132,7 +132,7 @@ def test_config_types_files_and_order(tmp_path):
 
 def test_help_prints_the_docstring_and_every_default(capsys):
     with pytest.raises(SystemExit) as e:
-        tc.main(['--help'])
+        tc.main(['--batch_size=3', '--help'])   # the defaults, not the settings given before --help
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(tc.__doc__.strip())
@@ -162,15 +162,19 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     assert 'unknown setting' in fails(unknown)
 
 
-def test_command_line_errors_have_no_traceback():
+def test_command_line_errors_have_no_traceback(data_dir):
+    """Each is one line on stderr and nothing on stdout: the config a run prints comes after the data."""
+    prep.prepare('shakespeare', str(data_dir))   # so that the prompt's run says only its error
     for args, words in [(['--no_such_flag=1'], 'unknown setting'), (['--max_iters=ten'], 'expected int'),
                         (['--dataset=no/such/file.txt'], 'neither'),
+                        ([f'--data_dir={data_dir}', '--start=' + 'a' * 65], 'longer than the model'),
                         (['--n_embd=30', '--n_head=4'], 'divisible'), (['--n_head=0'], 'at least 1'),
                         (['--kernel=triton', '--device=cpu'], 'kernel=triton needs'),
                         (['--n_embd=30', '--n_head=4', '--mode=config'], 'divisible')]:   # as the run would
         result = cli(*args, '--out_dir=/nonexistent/never-written')
         assert result.returncode != 0 and words in result.stderr, result.stderr
         assert result.stderr.strip().count('\n') == 0 and 'Traceback' not in result.stderr, result.stderr
+        assert result.stdout == '', result.stdout
 
 
 def test_the_interpreted_kernel_is_refused_in_16_bit(monkeypatch):
@@ -574,10 +578,11 @@ def test_plot_of_several_runs(trained, tmp_path):
     damaged = tmp_path / 'damaged'
     damaged.mkdir()
     entries = (trained / 'log.jsonl').read_text().splitlines()
-    first = json.loads(entries[0])
-    del first['val_bpc']
-    (damaged / 'log.jsonl').write_text('\n'.join([json.dumps(first)] + entries[1:]) + '\n')
-    assert 'has an entry without val_bpc, tokens or time' in fails_eval('--mode=plot', f'--out_dir={damaged}')
+    for key in ('val_bpc', 'tokens', 'time'):
+        first = json.loads(entries[0])
+        del first[key]
+        (damaged / 'log.jsonl').write_text('\n'.join([json.dumps(first)] + entries[1:]) + '\n')
+        assert 'has an entry without val_bpc, tokens or time' in fails_eval('--mode=plot', f'--out_dir={damaged}')
 
 
 # ---------------------------------------------------------------------------------------------
