@@ -543,6 +543,8 @@ def study(opts, passthrough):
         dataset = training_split_file(out_root, passthrough.get('data_dir', ''))
         vocab_size = len(load_dataset(opts['dataset'], passthrough.get('data_dir', ''))[1])
         jobs = [(f'{name}-lr{lr:g}', name, dict(learning_rate=lr, min_lr=lr / 10, seed=1)) for lr in grid for name in variants]
+        # another variant joins the summary with every rate of the grid done, which keeps its chosen rate
+        complete = lambda v: len(finished(results, [f'{v}-lr{lr:g}' for lr in grid])) == len(grid)
     else:
         dataset, vocab_size = opts['dataset'], 0
         rates = chosen_rates(root)
@@ -551,6 +553,8 @@ def study(opts, passthrough):
             die(f"the LR sweep has chosen no rate yet for {', '.join(missing)}: finish --regime=lr first")
         jobs = [(f'{name}-seed{s}', name, dict(learning_rate=rates[name], min_lr=rates[name] / 10, seed=s))
                 for s in seeds for name in variants]
+        # another variant joins the summary with a chosen rate and a finished seed
+        complete = lambda v: v in rates and finished(results, [f'{v}-seed{s}' for s in seeds])
     runs, params, _ = study_plan(opts, passthrough, variants, dataset, vocab_size)
     os.makedirs(results, exist_ok=True)
     for run, name, extra in jobs:
@@ -565,13 +569,7 @@ def study(opts, passthrough):
                                     opts, results, f'{params[name]:,} parameters', blocks,
                                     dict(commit=commit, variant=name, **extra), may_diverge=regime == 'lr')
         print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}", flush=True)
-    # other variants: in the LR sweep those with every rate of the grid done, which keeps their
-    # chosen rate; in regimes i and ii those with a rate and a finished seed
-    if regime == 'lr':
-        complete = lambda v: len(finished(results, [f'{v}-lr{lr:g}' for lr in grid])) == len(grid)
-    else:
-        complete = lambda v: v in rates and finished(results, [f'{v}-seed{s}' for s in seeds])
-    summarized = [v for v in STUDY if v in variants or complete(v)]
+    summarized = [v for v in STUDY if v in variants or complete(v)]   # looked up now, after training
     if summarized != variants:
         runs, params, _ = study_plan(opts, passthrough, summarized, dataset, vocab_size)
     if regime == 'lr':
