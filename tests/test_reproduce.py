@@ -26,19 +26,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ('mha', 'damcha', 'damcha_static')
 
 
-def sweep_args(tmp_path, variants=VARIANTS, results='results'):
+def sweep_args(tmp_path, variants=VARIANTS):
     # batch 1024: the whole-split evaluations run in batches of batch_size and are most of the time
     return ['--seeds=1', '--max_iters=6', '--eval_interval=3', '--eval_iters=2', '--n_layer=1', '--n_embd=32',
             '--n_head=2', '--block_size=16', '--batch_size=1024', '--max_new_tokens=5', '--device=cpu',
-            f"--variants={','.join(variants)}", f"--results={tmp_path / results}",
+            f"--variants={','.join(variants)}", f"--results={tmp_path / 'results'}",
             f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}"]
 
 
-def sweep(tmp_path, variants=VARIANTS):
+def sweep(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     t0 = time.time()
-    p = subprocess.run([sys.executable, 'reproduce.py', *sweep_args(tmp_path, variants)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env=env)
+    p = subprocess.run([sys.executable, 'reproduce.py', *sweep_args(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout, time.time() - t0
 
@@ -138,13 +138,13 @@ def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys):
     come out as committed, but for the commit it was written at. A change to the code that changes
     a summary (a default setting, a statistic) must come with the summary rewritten."""
     shutil.copytree(os.path.join(ROOT, 'results'), tmp_path / 'results', ignore=shutil.ignore_patterns('snapshots'))
+    without_commit = lambda path: {k: v for k, v in json.loads(open(path).read()).items() if k != 'commit'}
     for folder, args in COMMITTED:
         where = tmp_path / 'results' / folder
         results = where if folder.startswith('charlevel') else where.parent
         reproduce.main([*args, f'--results={results}', f"--out_root={tmp_path / 'out'}"])
         assert 'done ' not in capsys.readouterr().out
         committed = os.path.join(ROOT, 'results', folder)
-        without_commit = lambda path: {k: v for k, v in json.loads(open(path).read()).items() if k != 'commit'}
         assert without_commit(where / 'summary.json') == without_commit(os.path.join(committed, 'summary.json')), folder
         assert (where / 'summary.md').read_text() == open(os.path.join(committed, 'summary.md')).read(), folder
 
