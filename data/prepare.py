@@ -109,53 +109,52 @@ def write_splits(folder, ids, vocab, percents, source, digest):
     return meta | {'dir': folder}
 
 
-def download(url, part, archive):
-    """url into the file `part`, which appears only once the download is complete: a dropped
-    connection or a Ctrl-C leaves nothing behind (atomic_write), and the next attempt starts over."""
+def download(url, archive, name, source):
+    """The verified contents of url, which appears at `archive` only once downloaded and verified:
+    a dropped connection, a Ctrl-C or a failed check leaves nothing behind (atomic_write), and the
+    next attempt starts over. Two runs downloading at once each write their own temporary file."""
     print(f"downloading {url} to {archive}", file=sys.stderr)
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, atomic_write(part) as f:
+        with urllib.request.urlopen(url, timeout=60) as response, atomic_write(archive) as f:
             size = int(response.headers.get('Content-Length') or 0) or None
             with tqdm(total=size, unit='B', unit_scale=True, desc=os.path.basename(archive)) as bar:
                 while chunk := response.read(1 << 20):
                     f.write(chunk)
                     bar.update(len(chunk))
+            f.flush()
+            return unzip_verified(f.name, name, source)
     except (OSError, http.client.HTTPException) as e:   # urllib's URLError is an OSError
         die(f"could not download {url} ({e}); download it by hand and put it at {archive}")
+    except ValueError as e:
+        die(f"the download of {url} failed verification: {e}")
 
 
 def unzip_verified(path, name, source):
-    """The archive's member `name`, checked against the expected size and digest."""
+    """The archive's member `name`, checked against the expected size and digest; a ValueError
+    says what is wrong with it."""
     try:
         with zipfile.ZipFile(path) as z:
             data = z.read(name)
     except (zipfile.BadZipFile, KeyError, OSError, EOFError, zlib.error) as e:
-        raise ValueError(f"{path} is not a zip archive holding {name} ({e})")
+        raise ValueError(f"not a zip archive holding {name} ({e})")
     algorithm, expected = source['digest']
     digest = hashlib.new(algorithm, data).hexdigest()
     if len(data) != source['size'] or digest != expected:
-        raise ValueError(f"{path}: {name} is {len(data):,} bytes with {algorithm} {digest}, "
+        raise ValueError(f"{name} is {len(data):,} bytes with {algorithm} {digest}, "
                          f"expected {source['size']:,} bytes with {algorithm} {expected}")
     return data
 
 
 def fetch(name, archive):
     """The verified contents of enwik8 or text8: from the archive if it is there (or was put
-    there by hand), else downloaded, verified, and only then renamed into place."""
+    there by hand), else downloaded."""
     source = SOURCES[name]
-    if os.path.exists(archive):
-        try:
-            return unzip_verified(archive, name, source)
-        except ValueError as e:
-            die(f"{e}; delete it to download it again")
-    download(source['url'], archive + '.part', archive)
+    if not os.path.exists(archive):
+        return download(source['url'], archive, name, source)
     try:
-        data = unzip_verified(archive + '.part', name, source)
+        return unzip_verified(archive, name, source)
     except ValueError as e:
-        os.remove(archive + '.part')
-        die(f"the download failed verification: {e}")
-    os.replace(archive + '.part', archive)
-    return data
+        die(f"{archive}: {e}; delete it to download it again")
 
 
 def prepare_download(name, data_dir):

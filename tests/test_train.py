@@ -277,8 +277,32 @@ def test_download_is_verified_renamed_and_not_repeated(tmp_path, monkeypatch, se
     monkeypatch.setitem(prep.SOURCES, 'text8', dict(prep.SOURCES['text8'], digest=('sha1', '0' * 40)))
     message = fails('--dataset=text8', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}')
     assert 'failed verification' in message and 'sha1' in message
-    assert not os.path.exists(tmp_path / 'data' / 'text8' / 'text8.zip')
-    assert not os.path.exists(tmp_path / 'data' / 'text8' / 'text8.zip.part')
+    assert os.listdir(tmp_path / 'data' / 'text8') == []   # neither the archive nor a partial one
+
+
+def test_two_runs_downloading_at_once_both_prepare_the_data(tmp_path, monkeypatch, server):
+    """Two runs started together on a fresh machine both download enwik8. The other one (another
+    process id) downloads, checks and prepares it all while this one is checking its own copy:
+    both must end with the data prepared and nothing else left in the folder."""
+    folder, url = server
+    contents = make_corpora(str(folder), monkeypatch, serve_url=url)
+    data = str(tmp_path / 'data')
+    check = prep.unzip_verified
+
+    def the_other_run_finishes_meanwhile(*args):
+        monkeypatch.setattr(prep, 'unzip_verified', check)
+        with monkeypatch.context() as m:
+            m.setattr(prep.os, 'getpid', lambda: 1)
+            assert prep.prepare('enwik8', data)['splits']['train'] == 3600
+        return check(*args)
+
+    monkeypatch.setattr(prep, 'unzip_verified', the_other_run_finishes_meanwhile)
+    meta = prep.prepare('enwik8', data)
+    assert meta['splits']['train'] == 3600 and prep.unzip_verified is check   # the other run did run
+    assert sorted(os.listdir(tmp_path / 'data' / 'enwik8')) == ['enwik8.zip', 'meta.json', 'test.bin',
+                                                                'train.bin', 'val.bin']
+    with zipfile.ZipFile(tmp_path / 'data' / 'enwik8' / 'enwik8.zip') as z:
+        assert z.read('enwik8') == contents['enwik8']
 
 
 def test_offline_download_says_where_to_put_the_archive(tmp_path, monkeypatch):
