@@ -19,7 +19,9 @@ Rows (kind=...), in order:
           error (max |a - b| / max |b|) of the kernels and of the torch path (einsum + SDPA)
           against float64, and ok by tests/test_triton.py's bar (float32: 1e-4 forward, 1e-3
           gradients; 16-bit: no worse than twice the torch path plus 1e-3), and the configs
-          autotuning chose. One row checks offsets past 2^31 (T = 8192, H = 24, dh = 128).
+          autotuning chose; each shape in both dtypes, dh = 64 first. One row, before them, checks
+          offsets past 2^31 (T = 8192, H = 24, dh = 128; --smoke: the same check at a small shape):
+          o, dm and dx against float64 with an output gradient on the last 16 positions only.
   op      the op alone at B=8, H=12, T=1024, dh=64, per-token metrics first: forward and
           forward + backward in ms (triton.testing.do_bench: CUDA events, median) of the kernels,
           of the torch path and, in bf16, of the torch path compiled (torch_compiled: q = x m as
@@ -148,9 +150,10 @@ class Budget:
 
 
 def checks(op, shapes, dtypes, budget):
+    """Each shape in both dtypes before the next shape: a budget that runs out cuts shapes, not a dtype."""
     names = ("o", "dx", "dm", "dv")
-    for dtype in dtypes:
-        for B, H, T, dh in shapes:
+    for B, H, T, dh in shapes:
+        for dtype in dtypes:
             for metric, static in METRICS.items():
                 row = dict(kind="check", dtype=str(dtype)[6:], metric=metric, B=B, H=H, T=T, dh=dh)
                 if budget.over():
@@ -170,24 +173,32 @@ def checks(op, shapes, dtypes, budget):
                 del exact, got, ref
 
 
-def check_large_offsets(op, budget):
-    """T * H * dh^2 > 2^31: the output and dm of the last 16 positions (the only ones with an output
-    gradient) against their float64 reference, their own queries against all keys."""
-    B, H, T, dh, R = 1, 24, 8192, 128, 16
-    row = dict(kind="check", dtype="bfloat16", metric="per_token", B=B, H=H, T=T, dh=dh, offsets_past_2_31=True)
-    if budget.over():
-        return emit(**row, skipped="time budget")
-    x, m, v, _ = make_inputs(B, H, T, dh, static=False, dtype=torch.bfloat16, draw_on=DEVICE)   # m: 6.4 GB
+def last_rows_errors(op, B, H, T, dh, R, dtype):
+    """The op's output, dm and dx against float64 with an output gradient on the last R positions
+    only: those positions' outputs and metric gradients, and every position's dx (as a key, and
+    for the last R as a query), have a cheap reference, their own queries against all keys, so
+    T can be large enough for T * H * dh^2 to pass 2^31 (offsets into m that need 64 bits)."""
+    x, m, v, _ = make_inputs(B, H, T, dh, static=False, dtype=dtype, draw_on=DEVICE)   # m: 6.4 GB at the GPU shape
     do = torch.zeros_like(x)
     do[:, :, -R:] = torch.randn(B, H, R, dh, generator=torch.Generator().manual_seed(5)).to(do)
-    o, _, dm, _ = forward_backward(op, x, m, v, do)
-    xd, md = x.double(), m[:, -R:].double().requires_grad_()
-    scores = torch.einsum("bhtd,bthde->bhte", xd[:, :, -R:], md) @ xd.transpose(-1, -2) / dh ** 0.5
+    o, dx, dm, _ = forward_backward(op, x, m, v, do)
+    xd, md = x.double().requires_grad_(), m[:, -R:].double().requires_grad_()
+    scores = torch.einsum("bhtd,bthde->bhte", xd[:, :, -R:], md) @ xd.transpose(-1, -2) / dh ** 0.5   # (B, H, R, T)
     causal = torch.ones(R, T, dtype=torch.bool, device=x.device).triu(T - R + 1)
     o_last = torch.softmax(scores.masked_fill(causal, float("-inf")), -1) @ v.double()
     o_last.backward(do[:, :, -R:].double())
-    err = {"o": rel_err(o[:, :, -R:], o_last), "dm": rel_err(dm[:, -R:], md.grad)}
-    emit(**row, ok=err["o"] < 2e-2 and err["dm"] < 5e-2, err_triton=err)
+    return {"o": rel_err(o[:, :, -R:], o_last), "dx": rel_err(dx, xd.grad), "dm": rel_err(dm[:, -R:], md.grad)}
+
+
+def check_large_offsets(op, budget, shape=(1, 24, 8192, 128, 16), dtype=torch.bfloat16):
+    """last_rows_errors at T * H * dh^2 > 2^31 (the smoke run: a small shape, in float32)."""
+    B, H, T, dh, R = shape
+    row = dict(kind="check", dtype=str(dtype)[6:], metric="per_token", B=B, H=H, T=T, dh=dh,
+               offsets_past_2_31=T * H * dh * dh >= 2**31)
+    if budget.over():
+        return emit(**row, skipped="time budget")
+    err = last_rows_errors(op, B, H, T, dh, R, dtype)
+    emit(**row, ok=err["o"] < 2e-2 and err["dx"] < 5e-2 and err["dm"] < 5e-2, err_triton=err, configs=tuned_configs())
 
 
 def tuned_configs():
@@ -224,11 +235,12 @@ def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
                 read = m_bytes / time_ms(lambda: m.sum(dtype=torch.float32)) * 1e3
                 emit(**row, impl="read_m", m_GBps=round(read / 1e9, 1),
                      m_bandwidth_vs_peak=None if peak_bandwidth is None else round(read / peak_bandwidth, 3))
+            base = ms.get("torch", (None, None))   # None when the torch path itself failed
             for impl, (fwd, fwd_bwd) in ms.items():
                 bandwidth = m_bytes / fwd * 1e3
                 emit(**row, impl=impl, fwd_ms=round(fwd, 3), fwd_bwd_ms=round(fwd_bwd, 3),
-                     fwd_speedup_vs_torch=round(ms["torch"][0] / fwd, 3),
-                     fwd_bwd_speedup_vs_torch=round(ms["torch"][1] / fwd_bwd, 3),
+                     fwd_speedup_vs_torch=base[0] and round(base[0] / fwd, 3),
+                     fwd_bwd_speedup_vs_torch=base[1] and round(base[1] / fwd_bwd, 3),
                      **({} if static else dict(
                          m_GBps=round(bandwidth / 1e9, 1),
                          m_bandwidth_vs_peak=None if peak_bandwidth is None else round(bandwidth / peak_bandwidth, 3),
@@ -425,14 +437,14 @@ def main(argv):
         fields = dict(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=32)
         B = 2
     else:
-        check_shapes = [(1, 4, 1000, 8), (1, 4, 1023, 16), (1, 4, 777, 48), (1, 4, 1000, 64), (1, 4, 1023, 128)]
+        # the model's head size first, then the largest, then those the kernels pad
+        check_shapes = [(1, 4, 1000, 64), (1, 4, 1023, 128), (1, 4, 777, 48), (1, 4, 1023, 16), (1, 4, 1000, 8)]
         dtypes = [torch.bfloat16, torch.float32]       # the training precision first
         op_shape = (8, 12, 1024, 64)
         fields = dict(vocab_size=65, **{k: cfg[k] for k in ("block_size", "n_layer", "n_head", "n_embd")})
         B = cfg["batch_size"]
     budget = Budget(cfg["budget_check"])
-    if not smoke:
-        check_large_offsets(damcha_attention, budget)
+    check_large_offsets(damcha_attention, budget, *([(1, 2, 40, 8, 16), torch.float32] if smoke else []))
     checks(damcha_attention, check_shapes, dtypes, budget)
     # torch_compiled: the torch path as a compiled model runs it, q = x m as inductor generates it
     ops = {"torch": torch_path, "torch_compiled": torch.compile(torch_path, dynamic=False), "triton": damcha_attention}

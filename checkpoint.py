@@ -192,7 +192,7 @@ def pick_device(name, local_rank):
 
 def check_kernel(kernel, device, dtype):
     # the fused kernel runs on CUDA, or on the CPU in Triton's interpreter (as the tests run it),
-    # which runs it in float32 only
+    # which runs it in float32 (bfloat16 comes out wrong there; float16 trains on CUDA only)
     if kernel != 'triton':
         return
     if importlib.util.find_spec('triton') is None:
@@ -200,7 +200,7 @@ def check_kernel(kernel, device, dtype):
     if not device.startswith('cuda') and os.environ.get('TRITON_INTERPRET') != '1':
         die(f"kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 on a CPU), not {device}; use --kernel=torch")
     if not device.startswith('cuda') and dtype != 'float32':
-        die(f"kernel=triton on a CPU runs in Triton's interpreter, in float32 only, not {dtype}; use --dtype=float32")
+        die(f"kernel=triton on a CPU runs in Triton's interpreter, which cannot train in {dtype}; use --dtype=float32")
 
 
 def autocast_for(device, dtype):
@@ -221,5 +221,10 @@ def build_model(model_args, ckpt=None):
         try:
             model.load_state_dict(ckpt['model'])
         except (RuntimeError, KeyError, TypeError) as e:
+            saved = ckpt['model_args']
+            changed = [f"{k}={v!r} (the checkpoint's: {saved[k]!r})" for k, v in model_args.items() if saved.get(k) != v]
+            if changed:   # settings given now, in a config file or a flag, override the saved ones
+                die(f"the checkpoint's weights do not fit the model with {', '.join(changed)}: settings given "
+                    "in config files and flags override the checkpoint's; give the run's own, or none")
             die(f"the checkpoint's weights do not fit the model ({str(e)[:300]})")
     return model

@@ -19,7 +19,7 @@ elementwise product, which torch.compile can fuse into the sum over layers of a 
 Constraints (damcha_attention raises ValueError outside them): 1 <= dh <= 128, a power of two or
 not (the kernels pad the feature axis to DH, the next power of two >= 16, as tl.dot needs K >= 16);
 any T; x, m and v of one dtype, float32, bfloat16 or float16 (under torch.autocast they are cast
-to its dtype); CUDA tensors, or CPU float32 tensors under Triton's interpreter, which runs the
+to its dtype); CUDA tensors, or CPU float32 or float16 tensors under Triton's interpreter, which runs the
 same kernels in Python. The interpreter is chosen by TRITON_INTERPRET=1 in the environment when
 this module is imported (tests/test_triton.py sets it itself when there is no GPU):
     python -m pytest -q tests/test_triton.py         # the checks: interpreter on a CPU, or the GPU
@@ -533,6 +533,6 @@ def damcha_attention(x, m, v):
     elif not INTERPRETED:
         raise ValueError(f"tensors on {x.device} need Triton's interpreter: set TRITON_INTERPRET=1 "
                          "before importing triton")
-    elif x.dtype != torch.float32:
-        raise ValueError(f"Triton's interpreter runs the kernels in float32 only, not {x.dtype}")
+    elif x.dtype not in (torch.float32, torch.float16):   # its bfloat16 dots come out wrong (Triton 3.9)
+        raise ValueError(f"Triton's interpreter runs the kernels in float32 or float16, not {x.dtype}")
     return _attention(x, m, v)[0]

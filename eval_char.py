@@ -2,9 +2,10 @@
 eval_char.py: evaluate, sample from and plot the runs that train_char.py trained.
 
 In the manner of nanoGPT's sample.py: it reads out_dir/ckpt.pt and keeps the run's saved settings
-except those you pass, so `--blocks=diag` ablates a trained model at inference (a model trained
-with --gen_out=full). Settings: the defaults below, then config files and --key=value flags, read by
-the configurator that every script uses.
+(its data, model, device, precision and batch size) except those you pass, so `--blocks=diag` ablates
+a trained model at inference (a model trained with --gen_out=full); the sampling settings are this
+script's own. Settings: the defaults below, then config files and --key=value flags, read by the
+configurator that every script uses.
 
     python eval_char.py --out_dir=out-shakespeare                    # bpc of the whole val split (and test), as JSON
     python eval_char.py --out_dir=out-enwik8-damcha --stride=256     # overlapping windows: more context per token
@@ -44,7 +45,7 @@ DEFAULTS = dict(
     batch_size=12,                # windows per forward pass in eval
     # eval
     stride=0,                     # window step; 0: block_size (non-overlapping windows)
-    # sample
+    # sample (this script's own: not the trainer's settings for its end-of-run sample)
     start='',                     # prompt, or FILE:path; '' is a newline (a space for text8)
     num_samples=1,
     max_new_tokens=500,
@@ -55,6 +56,7 @@ DEFAULTS = dict(
 )
 # every GPTConfig field is a setting too (they come from the checkpoint unless given)
 DEFAULTS.update({f.name: f.default for f in dataclasses.fields(GPTConfig)})
+SAMPLING = ('start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k')
 CHOICES = dict(mode=('eval', 'sample', 'plot'), dtype=('auto', 'float32', 'bfloat16', 'float16'))
 POSITIVE = ('batch_size', 'num_samples', 'temperature', 'block_size')
 NON_NEGATIVE = ('stride', 'max_new_tokens', 'top_k', 'vocab_size')
@@ -63,7 +65,7 @@ LN2 = math.log(2)
 
 def load_for_inference(cfg, given):
     ckpt = load_checkpoint(cfg['out_dir'])
-    cfg, model_args = from_checkpoint(ckpt, cfg, given)
+    cfg, model_args = from_checkpoint(ckpt, cfg, given, keep=('mode', 'out_dir', *SAMPLING))
     device = pick_device(cfg['device'], 0)
     dtype, ctx = autocast_for(device, cfg['dtype'])
     check_kernel(model_args['kernel'], device, dtype)

@@ -378,9 +378,11 @@ def log_losses(run, bar):
     if run.master:
         append_jsonl(run.path('train_log.jsonl'), [dict(iter=it, loss=loss, lr=lr) for (it, lr, _), loss
                                                    in zip(run.pending, losses.tolist())])
-        mfu = run.raw_model.estimate_mfu(run.cfg['batch_size'] * run.accum, dt)
+        mfu = ''   # against an H100 / H200's peak: meaningless elsewhere
+        if run.device.startswith('cuda'):
+            mfu = f", mfu {run.raw_model.estimate_mfu(run.cfg['batch_size'] * run.accum, dt, getattr(torch, run.dtype)):.2%}"
         bar.write(f"iter {run.iter_num}: loss {losses.mean().item():.4f}, lr {run.lr:.2e}, "
-                  f"{dt * 1000:.1f} ms/iter, {run.tokens_per_iter / dt:,.0f} tokens/s, mfu {mfu * 100:.2f}%")
+                  f"{dt * 1000:.1f} ms/iter, {run.tokens_per_iter / dt:,.0f} tokens/s{mfu}")
     run.pending = []
 
 
@@ -397,10 +399,12 @@ def evaluate_and_save(run, bar):
     if run.master:
         since, seconds = run.since_eval
         entry = dict(iter=run.iter_num, tokens=run.tokens, time=round(run.elapsed + time.time() - run.t_run, 3),
-                     lr=run.lr, tokens_per_sec=since * run.tokens_per_iter / seconds if since else 0.0, **losses)
+                     lr=lr_at(run.iter_num, run.cfg),   # of the step this iteration takes, as in train_log.jsonl
+                     tokens_per_sec=since * run.tokens_per_iter / seconds if since else 0.0, **losses)
         append_jsonl(run.path('log.jsonl'), [entry])
+        each = ''.join(f", {k.removeprefix('val_bpc_')} {v:.4f}" for k, v in losses.items() if k.startswith('val_bpc_'))
         bar.write(f"eval {run.iter_num}: train loss {losses['train_loss']:.4f}, val loss "
-                  f"{losses['val_loss']:.4f}, val bpc {losses['val_bpc']:.4f}")
+                  f"{losses['val_loss']:.4f}, val bpc {losses['val_bpc']:.4f}{each}")
         if run.iter_num > run.start_iter and (losses['val_loss'] < run.best_val or run.cfg['always_save_checkpoint']):
             run.best_val = min(run.best_val, losses['val_loss'])
             save_checkpoint(run, states, entry['time'])
@@ -535,7 +539,6 @@ def train_run(run):
     build(run)
     if run.master:
         start_logs(run)
-    run.lr = lr_at(run.iter_num, cfg)
     run.t_run = run.t_flush = time.time()
     # the with-block closes the progress bar also when die() stops the run mid-line
     with tqdm(total=cfg['max_iters'], initial=run.iter_num, disable=not run.master, unit='it',
@@ -560,8 +563,11 @@ def train_run(run):
 
 
 def show_config(cfg, given):
-    """The settings a run of these arguments starts from, as JSON (reproduce.py reads them); a
-    model it could not build is refused, as the run would refuse it."""
+    """The settings a run of these arguments starts from, as JSON (reproduce.py reads them): for
+    a resumed run, its checkpoint's overridden by those given. A model it could not build is
+    refused, as the run would refuse it."""
+    if cfg['init_from'] == 'resume':
+        cfg, _ = from_checkpoint(load_checkpoint(cfg['out_dir']), cfg, given)
     model_config({k: cfg[k] for k in MODEL_KEYS} | {'vocab_size': cfg['vocab_size'] or 1})
     print(json.dumps(cfg, indent=2))
 

@@ -158,10 +158,12 @@ def fetch(name, archive):
 
 
 def prepare_download(name, data_dir):
-    """enwik8 or text8, split 90 / 5 / 5 over the corpus's fixed vocabulary."""
+    """enwik8 or text8, split 90 / 5 / 5 over the corpus's fixed vocabulary; prepared again if it
+    was prepared from an archive with another checksum."""
     source, folder = SOURCES[name], os.path.join(data_dir, name)
+    algorithm, digest = source['digest']
     meta = read_meta(folder)
-    if meta is not None:
+    if meta is not None and meta['digest'] == f'{algorithm}:{digest}':
         return meta
     os.makedirs(folder, exist_ok=True)
     archive = os.path.join(folder, name + '.zip')
@@ -172,7 +174,6 @@ def prepare_download(name, data_dir):
     ids = lookup[np.frombuffer(data, dtype=np.uint8)]
     if len(vocab) < 256 and (ids == 255).any():
         die(f"{archive}: {name} holds bytes outside its {len(vocab)}-symbol vocabulary")
-    algorithm, digest = source['digest']
     return write_splits(folder, ids, vocab, (90, 5, 5), source['url'], f'{algorithm}:{digest}')
 
 
@@ -340,11 +341,11 @@ def main(argv):
     if not names:
         die("name the datasets to prepare: shakespeare, enwik8, text8, mix or a text file")
     try:
-        for name in names:
-            for n in MIX if name == 'mix' else (name,):
-                meta = prepare(n, options['data_dir'])
-                print(f"{n}: {meta['dir']}: " + ', '.join(f'{s} {k:,}' for s, k in meta['splits'].items())
-                      + f" tokens, vocabulary of {len(meta['vocab'])}")
+        expanded = [n for name in names for n in (MIX if name == 'mix' else (name,))]
+        for n in dict.fromkeys(expanded):   # each once: `enwik8 mix` prepares enwik8 once
+            meta = prepare(n, options['data_dir'])
+            print(f"{n}: {meta['dir']}: " + ', '.join(f'{s} {k:,}' for s, k in meta['splits'].items())
+                  + f" tokens, vocabulary of {len(meta['vocab'])}")
     except OSError as e:   # an unwritable data_dir, a full disk: the system's own one-line reason
         die(e)
 

@@ -178,12 +178,12 @@ def test_command_line_errors_have_no_traceback(data_dir):
 
 
 def test_the_interpreted_kernel_is_refused_in_16_bit(monkeypatch):
-    """Triton's interpreter (the kernel on a CPU) runs in float32 only: bf16 is one line, not a
+    """Triton's interpreter (the kernel on a CPU) trains in float32 only: bf16 is one line, not a
     traceback from inside the op. On CUDA every dtype is the kernel's (checked here without one)."""
     if importlib.util.find_spec('triton') is None:   # found, not imported: tests/test_triton.py picks its mode first
         pytest.skip("needs the triton package")
     monkeypatch.setenv('TRITON_INTERPRET', '1')
-    with pytest.raises(SystemExit, match="in float32 only, not bfloat16; use --dtype=float32"):
+    with pytest.raises(SystemExit, match="which cannot train in bfloat16; use --dtype=float32"):
         checkpoint.check_kernel('triton', 'cpu', 'bfloat16')
     checkpoint.check_kernel('triton', 'cpu', 'float32')
     for dtype in ('float32', 'bfloat16', 'float16'):
@@ -237,7 +237,7 @@ def test_prepare_runs_as_a_script_from_anywhere(tmp_path):
     assert result.returncode == 1 and result.stderr.startswith('error: dataset') and result.stderr.count('\n') == 1
 
 
-def test_enwik8_text8_and_mix_from_archives(corpora):
+def test_enwik8_text8_and_mix_from_archives(corpora, monkeypatch, capsys):
     data, contents = corpora
     for name in ('enwik8', 'text8'):
         meta = prep.prepare(name, str(data))
@@ -261,6 +261,14 @@ def test_enwik8_text8_and_mix_from_archives(corpora):
     for row, (c, o) in enumerate(zip(which[:64].tolist(), offsets[:64].tolist())):
         expected = raw[components[c]['name']][o:o + 17]   # text8 rows come as bytes, like enwik8's
         assert x[row].tolist() == expected[:-1].tolist() and y[row].tolist() == expected[1:].tolist()
+
+    prep.main(['enwik8', 'mix', f'--data_dir={data}'])   # each dataset once
+    assert [line.split(':')[0] for line in capsys.readouterr().out.splitlines()] == ['enwik8', 'text8']
+    # data prepared from an archive with another checksum are not used: text8 is fetched again,
+    # and its archive is gone (removed above)
+    monkeypatch.setitem(prep.SOURCES, 'text8', dict(prep.SOURCES['text8'], digest=('sha1', '0' * 40)))
+    with pytest.raises(SystemExit, match='could not download'):
+        prep.prepare('text8', str(data))
 
 
 def test_download_is_verified_renamed_and_not_repeated(tmp_path, monkeypatch, server, capsys):
@@ -347,7 +355,7 @@ def test_wrong_archive_is_reported_and_kept(corpora, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # Training, resuming, DDP
 
-def test_command_line_train_resume_sample(tmp_path, data_dir):
+def test_command_line_train_resume_sample(tmp_path, data_dir, capsys):
     """Issue 4's 'done when': 60 iterations log a falling val loss and a checkpoint, a resume
     continues to 90, and sampling prints text after the prompt."""
     out = tmp_path / 'out'
@@ -362,7 +370,13 @@ def test_command_line_train_resume_sample(tmp_path, data_dir):
     result = cli(*common, '--init_from=resume', '--max_iters=90')
     assert result.returncode == 0, result.stderr
     assert [e['iter'] for e in tc.read_jsonl(out / 'log.jsonl')] == [0, 30, 60, 90]
-    assert [e['iter'] for e in tc.read_jsonl(out / 'train_log.jsonl')] == list(range(90))
+    rates = [e['lr'] for e in tc.read_jsonl(out / 'train_log.jsonl')]
+    assert len(rates) == 90 and rates[0] < rates[10] > rates[89]   # warm-up, then decay
+    assert [e['lr'] for e in tc.read_jsonl(out / 'log.jsonl')][:3] == [rates[0], rates[30], rates[60]]
+
+    tc.main(['--init_from=resume', f'--out_dir={out}', '--mode=config'])   # the run a resume would be
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown['n_embd'], shown['block_size'], shown['max_iters'], shown['learning_rate']) == (32, 16, 90, 1e-2)
 
     result = cli('--mode=sample', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=40', '--num_samples=2',
                  script='eval_char.py')
@@ -558,7 +572,7 @@ def test_mix_training_and_eval_report_both_corpora(corpora, capsys, monkeypatch)
     entry = tc.read_jsonl(out / 'log.jsonl')[-1]
     assert entry['val_loss'] == pytest.approx((entry['val_loss_enwik8'] + entry['val_loss_text8']) / 2)
     assert {'val_bpc_enwik8', 'val_bpc_text8', 'train_loss_enwik8', 'train_loss_text8'} <= set(entry)
-    capsys.readouterr()
+    assert f"val bpc {entry['val_bpc']:.4f}, enwik8 {entry['val_bpc_enwik8']:.4f}, text8 " in capsys.readouterr().out
     scored = []   # each split's ids, as eval hands them to split_loss
     split_loss = ec.split_loss
     monkeypatch.setattr(ec, 'split_loss', lambda model, ids, *a: scored.append((a[-1], np.array(ids))) or
@@ -581,6 +595,13 @@ def test_sampling_says_it_runs_uncompiled(trained, capsys):
     run_eval('--mode=sample', f'--out_dir={trained}', '--compile=True', '--max_new_tokens=5')
     out, err = capsys.readouterr()
     assert 'note: compile=True applies to --mode=eval; sampling runs the model uncompiled' in err and out
+
+
+def test_sampling_settings_are_eval_chars_own(trained, capsys):
+    """The trainer's settings for its end-of-run sample (TINY: 20 new characters) stay with it."""
+    run_eval('--mode=sample', f'--out_dir={trained}', '--start=ROMEO:')
+    sample = capsys.readouterr().out.removesuffix('\n---------------\n')
+    assert sample.startswith('ROMEO:') and len(sample) == len('ROMEO:') + ec.DEFAULTS['max_new_tokens'] == 506
 
 
 def test_sample_from_a_file_prompt(trained, tmp_path, capsys):
@@ -637,7 +658,12 @@ def test_bad_input_with_an_existing_checkpoint_leaves_it_alone(trained, corpora)
     before = digest(trained / 'ckpt.pt')
     out = f'--out_dir={trained}'
     assert 'exists: continue it with --init_from=resume' in fails(*TINY, out, '--max_iters=40')
-    assert 'do not fit the model' in fails('--init_from=resume', out, '--max_iters=40', '--n_embd=64')
+    assert "do not fit the model with n_embd=64 (the checkpoint's: 32)" in fails('--init_from=resume', out,
+                                                                                  '--max_iters=40', '--n_embd=64')
+    data, _ = corpora   # a config file's model settings are given too: the message names them
+    (data / 'deeper.py').write_text('n_layer = 2\n')
+    assert "with n_layer=2 (the checkpoint's: 1)" in fails(str(data / 'deeper.py'), '--init_from=resume', out,
+                                                           '--max_iters=40')
     assert 'divisible' in fails('--init_from=resume', out, '--max_iters=40', '--n_head=5')
     assert 'raise max_iters' in fails('--init_from=resume', out)
     assert 'neither' in fails('--init_from=resume', out, '--max_iters=40', '--dataset=nothing.txt')
@@ -648,7 +674,7 @@ def test_bad_input_with_an_existing_checkpoint_leaves_it_alone(trained, corpora)
     assert 'stride=17 is larger than block_size=16' in fails_eval('--mode=eval', out, '--stride=17')
     assert digest(trained / 'ckpt.pt') == before
 
-    data, _ = corpora   # text8 knows only a-z and space
+    # text8 knows only a-z and space
     run(*TINY, '--dataset=text8', f'--data_dir={data}', f'--out_dir={data / "t8"}', '--max_iters=1')
     message = fails_eval('--mode=sample', f'--out_dir={data / "t8"}', '--start=ROMEO:')
     assert "27-symbol vocabulary: ':' 'E' 'M' 'O' 'R'" in message
