@@ -376,6 +376,21 @@ def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
             emit(**row, error=failure(e))
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def train_argv(config_files, iters, smoke, kernel, out_dir):
+    """The train row's command: the config files on the bundled text, iters iterations; smoke: a
+    1-layer model on the CPU."""
+    argv = [sys.executable, "train_char.py", *config_files, "--dataset=shakespeare", f"--max_iters={iters}",
+            f"--lr_decay_iters={iters}", "--warmup_iters=0", f"--eval_interval={iters}", "--eval_iters=1",
+            "--log_interval=10", "--max_new_tokens=50", f"--out_dir={out_dir}", f"--kernel={kernel}"]
+    if smoke:
+        argv += ["--device=cpu", "--compile=False", "--n_layer=1", "--n_embd=32", "--n_head=2",
+                 "--block_size=16", "--batch_size=2", "--dropout=0.0", "--gen_width=16"]
+    return argv
+
+
 def train_rows(config_files, iters, smoke, budget):
     # smoke: the triton path only (tests/test_train.py runs the torch one), a 1-layer model
     for kernel in ("triton",) if smoke else ("triton", "torch"):   # the kernel first: the budget may stop the second
@@ -384,18 +399,11 @@ def train_rows(config_files, iters, smoke, budget):
             emit(**row, skipped="time budget")
             continue
         with tempfile.TemporaryDirectory() as out_dir:
-            argv = [sys.executable, "train_char.py", *config_files, "--dataset=shakespeare", f"--max_iters={iters}",
-                    f"--lr_decay_iters={iters}", "--warmup_iters=0", f"--eval_interval={iters}", "--eval_iters=1",
-                    "--log_interval=10", "--max_new_tokens=50", f"--out_dir={out_dir}", f"--kernel={kernel}"]
-            if smoke:
-                argv += ["--device=cpu", "--compile=False", "--n_layer=1", "--n_embd=32", "--n_head=2",
-                         "--block_size=16", "--batch_size=2", "--dropout=0.0", "--gen_width=16"]
             env = dict(os.environ, TRITON_INTERPRET="1") if smoke else os.environ
             start = time.time()
             try:    # a row that starts is given 2 minutes at least: the last H200 run's took 83-85 s
-                done = subprocess.run(argv, capture_output=True, text=True, env=env,
-                                      cwd=os.path.dirname(os.path.abspath(__file__)),
-                                      timeout=max(120.0, budget.end - time.time() + 30))
+                done = subprocess.run(train_argv(config_files, iters, smoke, kernel, out_dir), capture_output=True,
+                                      text=True, env=env, cwd=HERE, timeout=max(120.0, budget.end - time.time() + 30))
             except subprocess.TimeoutExpired:
                 emit(**row, skipped="time budget: stopped", wall_s=round(time.time() - start, 1))
                 continue
@@ -418,6 +426,13 @@ def main(argv):
         GPTConfig(**damcha, kernel="triton")
     except ValueError as e:
         die(f"invalid model: {e}")
+    train_configs, train_iters = [f for f in cfg["train_configs"].split(",") if f], 2 if smoke else cfg["train_iters"]
+    if cfg["budget_train"]:   # a wrong config file is refused now, not after the other sections' device time
+        shown = subprocess.run(train_argv(train_configs, train_iters, smoke, "triton", "out-check") + ["--mode=config"],
+                               capture_output=True, text=True, cwd=HERE)
+        if shown.returncode:
+            why = (shown.stderr.strip().splitlines() or ['?'])[-1].removeprefix('error: ')
+            die(f"the train rows' command would fail: {why}")
     import triton
     from damcha_triton import damcha_attention
 
@@ -450,7 +465,7 @@ def main(argv):
     ops = {"torch": torch_path, "torch_compiled": torch.compile(torch_path, dynamic=False), "triton": damcha_attention}
     op_rows(ops, op_shape, dtypes, peak_bandwidth, Budget(cfg["budget_op"]))
     model_rows(fields, B, peak_flops, Budget(cfg["budget_model"]), cfg["gen_out"], cfg["profile"])
-    train_rows(cfg["train_configs"].split(","), 2 if smoke else cfg["train_iters"], smoke,
+    train_rows(train_configs, train_iters, smoke,
                Budget(3 * cfg["budget_train"] if smoke else cfg["budget_train"]))     # the CPU is slower
     emit(kind="done", wall_s=round(time.time() - t0, 1))
 

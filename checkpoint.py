@@ -52,9 +52,10 @@ def load_checkpoint(out_dir):
     if missing or not all(isinstance(ckpt[k], dict) for k in ('model', 'model_args', 'config', 'optimizer')):
         die(f"{path} is not a checkpoint of train_char.py (it lacks {', '.join(missing) or 'the right types'})")
     numbers = dict(iter_num=int, tokens=int, best_val_loss=(int, float), elapsed=(int, float))
-    wrong = [k for k, kind in numbers.items() if type(ckpt[k]) is bool or not isinstance(ckpt[k], kind)]
+    wrong = [k for k, kind in numbers.items() if type(ckpt[k]) is bool or not isinstance(ckpt[k], kind)
+             or not ckpt[k] >= 0]   # a negative iter_num would resume with negative learning rates
     if wrong:
-        die(f"{path} is damaged: {', '.join(wrong)} should be numbers")
+        die(f"{path} is damaged: {', '.join(wrong)} should be numbers of at least 0")
     vocab = ckpt['vocab']
     if not (isinstance(vocab, list) and vocab and len(set(vocab)) == len(vocab)
             and all(type(b) is int and 0 <= b < 256 for b in vocab)):
@@ -115,8 +116,11 @@ def lock_out_dir(out_dir):
     kernel releases when the process ends in any way, SIGKILL included, so it never goes stale. The
     file names the holder, for the message to a second run. The open file stays in HELD until
     train() ends."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        die(f"out_dir {out_dir} is a file, not a folder")
     os.makedirs(out_dir, exist_ok=True)
-    f = open(os.path.join(out_dir, 'train.lock'), 'a+')
+    # surrogateescape: the command's bytes as typed, also those that are not UTF-8 (a prompt, a path)
+    f = open(os.path.join(out_dir, 'train.lock'), 'a+', errors='surrogateescape')
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

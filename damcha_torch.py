@@ -496,7 +496,9 @@ class GPT(nn.Module):
                 logits, _ = self(idx, cache=cache)                   # the prompt, filling the cache
             else:
                 logits, _ = self(idx[:, -1:], cache=cache)           # the newest token only
-            logits = logits[:, -1, :] / temperature
+            # float64, from the largest: any temperature > 0 stays finite (near 0, the most likely token)
+            logits = logits[:, -1, :].double()
+            logits = (logits - logits.amax(-1, keepdim=True)) / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float("inf")

@@ -80,11 +80,12 @@ def atomic_write(path):
 # Preparation
 
 def read_meta(folder):
-    """meta.json of a completely prepared dataset folder, else None."""
+    """meta.json of a completely prepared dataset folder, else None (the folder is then prepared again)."""
     try:
         with open(os.path.join(folder, 'meta.json')) as f:
             meta = json.load(f)
-        if all(os.path.getsize(os.path.join(folder, f'{s}.bin')) == n for s, n in meta['splits'].items()):
+        if (isinstance(meta['digest'], str) and isinstance(meta['vocab'], list)
+                and all(os.path.getsize(os.path.join(folder, f'{s}.bin')) == n for s, n in meta['splits'].items())):
             return meta | {'dir': folder}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass

@@ -273,6 +273,10 @@ def test_prompts_are_bytes(byte_model, data_dir):
     assert result.returncode == 0 and result.stdout.startswith('a\ufffd'), result.stderr[-2000:]
     result = cli('--mode=sample', out, b'--start=c\xfe', script='eval_char.py')   # typed bytes that are not UTF-8 too
     assert result.returncode == 0 and result.stdout.startswith(b'c\xef\xbf\xbd'), result.stderr[-2000:]
+    typed = byte_model / 'typed'   # the trainer too: its lock file names the command as typed
+    result = cli(*TINY, f'--dataset={byte_model / "raw.bin"}', f'--data_dir={data_dir}', f'--out_dir={typed}',
+                 '--max_iters=1', b'--start=c\xfe')
+    assert result.returncode == 0 and b'--start=c\xfe' in (typed / 'train.lock').read_bytes(), result.stderr[-2000:]
     config = byte_model / 'surrogate.py'
     config.write_text('start = "\\ud800"\n')   # a str that has no bytes
     assert 'the prompt cannot be written as bytes' in fails('--mode=sample', out, config, main=ec.main)
@@ -307,7 +311,7 @@ def test_damcha_numpy_checks_before_training_and_stops_on_a_non_finite_loss(tmp_
 # Messages about checkpoints
 
 def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, data_dir):
-    """A checkpoint that loads but holds a wrong-typed count, a non-finite weight or optimizer
+    """A checkpoint that loads but holds a wrong-typed or negative count, a non-finite weight or optimizer
     moment (bytes overwritten inside a tensor), a weight too few or too many, a vocabulary that is
     not byte values or a wrong-typed saved setting, is one line at resume, and never changed."""
     good = tmp_path / 'good'
@@ -315,8 +319,8 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
     ckpt = torch.load(good / 'ckpt.pt', weights_only=True)
     weight = ckpt['model']['wte.weight'].clone()
     weight[3, 5] = float('nan')                  # one entry
-    damaged = {'iter_num': dict(ckpt, iter_num='4'), 'tokens': dict(ckpt, tokens=True),
-               'best_val_loss': dict(ckpt, best_val_loss='x'), 'weight': dict(ckpt, model=dict(ckpt['model'], **{'wte.weight': weight}))}
+    damaged = {'iter_num': dict(ckpt, iter_num=-4), 'tokens': dict(ckpt, tokens=True),
+               'best_val_loss': dict(ckpt, best_val_loss='x'), 'elapsed': dict(ckpt, elapsed=-1.0), 'weight': dict(ckpt, model=dict(ckpt['model'], **{'wte.weight': weight}))}
     moments = {k: dict(s) for k, s in ckpt['optimizer']['state'].items()}
     moments[0]['exp_avg_sq'] = moments[0]['exp_avg_sq'] * float('inf')
     damaged['moment'] = dict(ckpt, optimizer=dict(ckpt['optimizer'], state=moments))
@@ -342,7 +346,7 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
             assert f'is damaged: its saved settings {setting} are not' in message, message
         else:
             assert 'is damaged: ' + ('it holds weights or optimizer state that are not finite' if name in ('weight', 'moment')
-                                     else f'{name} should be numbers') in message, message
+                                     else f'{name} should be numbers of at least 0') in message, message
         assert digest(tmp_path / name / 'ckpt.pt') == before
 
 

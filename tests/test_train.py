@@ -224,6 +224,9 @@ def test_text_file_is_split_90_5_5_and_prepared_again_when_it_changes(tmp_path):
     assert bytes(meta['vocab']) == b' ,dehlorw'
     text.write_bytes(b'abc' * 100)
     assert bytes(prep.prepare(str(text), str(tmp_path / 'data'))['vocab']) == b'abc'
+    meta = tmp_path / 'data' / 'notes' / 'meta.json'   # damaged (no checksum): prepared again, not a traceback
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != 'digest'}))
+    assert bytes(prep.prepare(str(text), str(tmp_path / 'data'))['vocab']) == b'abc' and 'digest' in meta.read_text()
 
 
 def test_prepare_runs_as_a_script_from_anywhere(tmp_path):
@@ -664,6 +667,8 @@ def test_bad_input_with_an_existing_checkpoint_leaves_it_alone(trained, corpora)
     (data / 'deeper.py').write_text('n_layer = 2\n')
     assert "with n_layer=2 (the checkpoint's: 1)" in fails(str(data / 'deeper.py'), '--init_from=resume', out,
                                                            '--max_iters=40')
+    assert f"out_dir {data / 'deeper.py'} is a file, not a folder" in fails(*TINY, '--dataset=text8', f'--data_dir={data}',
+                                                                           f"--out_dir={data / 'deeper.py'}")
     assert 'divisible' in fails('--init_from=resume', out, '--max_iters=40', '--n_head=5')
     assert 'raise max_iters' in fails('--init_from=resume', out)
     assert 'neither' in fails('--init_from=resume', out, '--max_iters=40', '--dataset=nothing.txt')

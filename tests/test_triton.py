@@ -317,6 +317,14 @@ def test_bench_triton_gpu_smoke():
     assert agreement["max_rel_err"] < bar and position[id(agreement)] < position[id(timed[0])]
 
 
+def test_bench_refuses_a_bad_train_config_before_any_section(capsys):
+    """The train rows come last: a config file they would fail on is refused before the GPU time."""
+    import bench_triton_gpu
+    with pytest.raises(SystemExit, match="train rows' command would fail: missing.py: no such config file"):
+        bench_triton_gpu.main(["--smoke", "--train_configs=missing.py"])
+    assert capsys.readouterr().out == ""   # no row printed
+
+
 def test_a_profile_that_records_nothing_is_an_error():
     """A profiler that recorded no kernels must not read as a step of 0 ms."""
     import bench_triton_gpu
