@@ -62,7 +62,7 @@ import time
 import numpy as np
 import torch
 
-from checkpoint import DIVERGED, pick_device
+from checkpoint import DIVERGED, pick_device, read_jsonl
 from configurator import configure, die
 from damcha_torch import GPTConfig, count_params, equal_params_width
 from data.prepare import atomic_write, load_dataset
@@ -95,6 +95,7 @@ REGIMES = dict(lr=dict(max_iters=1860, eval_interval=100), i=dict(max_iters=1860
 # <results>/snapshots/<run>/: notebooks/04 plots its learned metric over training from them
 SNAPSHOT_AT = (0, 0.025, 0.1, 0.3, 1)
 CPU_ITERS = 10000   # shakespeare's default: DAMCHA's run takes about 10 minutes on 2 CPU cores
+PER_RUN = ('seed', 'out_dir', 'init_from', 'mode', 'snapshot_iters')   # train_char settings set for each run
 
 
 def config_files(dataset, fields):
@@ -126,6 +127,9 @@ def parse_options(argv):
         key, eq, value = arg.removeprefix('--').partition('=')
         if arg in ('-h', '--help') or key in OPTIONS:
             own.append(arg)
+        elif key in PER_RUN or (key in ('learning_rate', 'min_lr') and '--study=2x2' in argv):
+            die(f"--{key}: reproduce.py sets it for each run" + (" (the study's from its LR sweep)"
+                                                                  if key in ('learning_rate', 'min_lr') else ''))
         elif arg.startswith('--') and eq:
             passthrough[key] = value
         else:
@@ -195,6 +199,30 @@ def plan(opts, passthrough, variants):
     return runs, params, typed
 
 
+def read_json(path):
+    """A JSON file this script wrote, or a one-line error if it was damaged since."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        die(f"{path} is not readable JSON ({e}); restore or delete it (a deleted eval JSON: the run is evaluated again)")
+
+
+def skip_finished(run, eval_path, planned):
+    """Whether run is finished (its eval JSON exists), and then that it ran as planned (the
+    settings in `planned` that its eval JSON records): its bpc goes into a summary beside them.
+    A diverged run (the LR sweep) records no iteration."""
+    if not os.path.exists(eval_path):
+        return False
+    result = read_json(eval_path)
+    for key, want in planned.items():
+        if key in result and result[key] != want:
+            die(f"{eval_path}: {run} ran with {key}={result[key]}, not {want} as asked now; "
+                "give its settings, or another --results and --out_root")
+    print(f"skip {run}: {eval_path} exists", flush=True)
+    return True
+
+
 def checkpoint_iter(out_dir):
     """The iteration of out_dir/ckpt.pt, or None when there is none."""
     path = os.path.join(out_dir, 'ckpt.pt')
@@ -244,7 +272,7 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
         returncode = run_to_the_end(cmd)
         if returncode:
             if not (may_diverge and returncode == DIVERGED):
-                die(f"training {run} failed (its output is above); rerun to resume it")
+                die(f"training {run} failed (its output above says why); once that is fixed, the same command resumes it")
             result = dict(failed=True, val_bpc=float('inf')) | (extra or {})
             with atomic_write(os.path.join(results, run + '.eval.json')) as f:
                 f.write((json.dumps(result, indent=2) + '\n').encode())
@@ -274,8 +302,7 @@ def summary_rows(variants, runs, params, typed, opts, results):
         for seed in range(1, opts['seeds'] + 1):
             path = os.path.join(results, f'{name}-seed{seed}.eval.json')
             if os.path.exists(path):
-                with open(path) as f:
-                    evals.append(json.load(f))
+                evals.append(read_json(path))
         rel = params[name] / params['mha'] - 1
         files = config_files(opts['dataset'], VARIANTS[name])
         row = dict(variant=name, params=params[name], rel_params_vs_mha=rel, within_5pct=abs(rel) <= 0.05,
@@ -392,14 +419,8 @@ def read_evals(results):
     out = {}
     for f in sorted(os.listdir(results)) if os.path.isdir(results) else []:
         if f.endswith('.eval.json'):
-            with open(os.path.join(results, f)) as fh:
-                out[f.removesuffix('.eval.json')] = json.load(fh)
+            out[f.removesuffix('.eval.json')] = read_json(os.path.join(results, f))
     return out
-
-
-def read_log(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def chosen_rates(root):
@@ -407,8 +428,10 @@ def chosen_rates(root):
     path = os.path.join(root, 'lr', 'summary.json')
     if not os.path.exists(path):
         die(f"{path} does not exist: run the learning-rate sweep first (--regime=lr)")
-    with open(path) as f:
-        return json.load(f)['chosen_lr']
+    rates = read_json(path).get('chosen_lr')
+    if not (isinstance(rates, dict) and all(type(r) in (int, float) and r > 0 for r in rates.values())):
+        die(f"{path} is damaged: its chosen_lr should map variants to learning rates; rerun --regime=lr to rewrite it")
+    return rates
 
 
 def lr_summary(variants, grid, params, results, commit):
@@ -443,7 +466,7 @@ def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
     (each pair's val estimates from log.jsonl interpolated at the earlier finishing time), with 95%
     t intervals, the train/val gap (last logged estimates) and the run time."""
     evals = read_evals(results)
-    logs = {run: read_log(os.path.join(results, run + '.log.jsonl')) for run in evals}
+    logs = {run: read_jsonl(os.path.join(results, run + '.log.jsonl')) for run in evals}
     rows = []
     for name in variants:
         done = [s for s in range(1, seeds + 1) if f'{name}-seed{s}' in evals]
@@ -555,17 +578,16 @@ def study(opts, passthrough):
                 for s in seeds for name in variants]
         # another variant joins the summary with a chosen rate and a finished seed
         complete = lambda v: v in rates and finished(results, [f'{v}-seed{s}' for s in seeds])
-    runs, params, _ = study_plan(opts, passthrough, variants, dataset, vocab_size)
+    runs, params, cfg = study_plan(opts, passthrough, variants, dataset, vocab_size)
     os.makedirs(results, exist_ok=True)
     for run, name, extra in jobs:
-        eval_path = os.path.join(results, run + '.eval.json')
-        if os.path.exists(eval_path):
-            print(f"skip {run}: {eval_path} exists", flush=True)
+        settings = runs[name] | extra
+        if skip_finished(run, os.path.join(results, run + '.eval.json'),
+                         dict(iter=cfg['max_iters'], block_size=cfg['block_size'], **extra)):
             continue
         t0 = time.time()
-        settings = runs[name] | extra
         blocks = ('diag', 'offdiag') if regime != 'lr' and settings.get('gen_out') == 'full' else ()
-        result = train_and_evaluate(run, os.path.join(out_root, run), (), settings, int(settings['max_iters']),
+        result = train_and_evaluate(run, os.path.join(out_root, run), (), settings, cfg['max_iters'],
                                     opts, results, f'{params[name]:,} parameters', blocks,
                                     dict(commit=commit, variant=name, **extra), may_diverge=regime == 'lr')
         print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}", flush=True)
@@ -610,9 +632,8 @@ def sweep(opts, passthrough):
     for seed in range(1, opts['seeds'] + 1):
         for name in variants:
             run = f'{name}-seed{seed}'
-            eval_path = os.path.join(results, run + '.eval.json')
-            if os.path.exists(eval_path):
-                print(f"skip {run}: {eval_path} exists", flush=True)
+            if skip_finished(run, os.path.join(results, run + '.eval.json'),
+                             dict(iter=typed[name]['max_iters'], block_size=typed[name]['block_size'])):
                 continue
             t0 = time.time()
             result = train_and_evaluate(run, os.path.join(out_root, run), config_files(dataset, VARIANTS[name]),

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -147,6 +148,29 @@ def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys):
         committed = os.path.join(ROOT, 'results', folder)
         assert without_commit(where / 'summary.json') == without_commit(os.path.join(committed, 'summary.json')), folder
         assert (where / 'summary.md').read_text() == open(os.path.join(committed, 'summary.md')).read(), folder
+
+    # the same results asked for with other settings: refused, not summarized beside them
+    charlevel = f"--results={tmp_path / 'results' / 'charlevel' / 'shakespeare'}"
+    for more, words in ((['--max_iters=5'], 'ran with iter=10000, not 5 as asked now'),
+                        (['--block_size=32'], 'ran with block_size=64, not 32')):
+        with pytest.raises(SystemExit, match=words):
+            reproduce.main(['--device=cpu', charlevel, f"--out_root={tmp_path / 'out'}", *more])
+    study = [f"--results={tmp_path / 'results' / 'study2x2'}", f"--out_root={tmp_path / 'out'}"]
+    (tmp_path / 'results' / 'study2x2' / 'i' / 'mha-seed1.eval.json').write_text('{"iter": 18')   # a damaged one
+    with pytest.raises(SystemExit, match='mha-seed1.eval.json is not readable JSON'):
+        reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', *study])
+    (tmp_path / 'results' / 'study2x2' / 'lr' / 'summary.json').write_text('{"chosen_lr": {"mha": "x"}}')
+    with pytest.raises(SystemExit, match='is damaged: its chosen_lr should map variants to learning rates'):
+        reproduce.main(['--study=2x2', '--regime=ii', '--device=cpu', *study])
+
+
+def test_settings_reproduce_sets_for_each_run_are_refused():
+    for args, words in ((['--seed=42'], '--seed: reproduce.py sets it for each run'),
+                        (['--out_dir=x'], '--out_dir: reproduce.py sets it'),
+                        (['--study=2x2', '--learning_rate=1e-3'], "sets it for each run (the study's from its LR sweep)")):
+        with pytest.raises(SystemExit, match=re.escape(words)):
+            reproduce.parse_options(args)
+    assert reproduce.parse_options(['--learning_rate=1e-3'])[1] == {'learning_rate': '1e-3'}   # the sweep takes it
 
 
 def test_study_2x2_lr_sweep_then_regime_i(tmp_path):
