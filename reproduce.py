@@ -33,8 +33,10 @@ split, and of the test split where the dataset has one), summary.json and summar
 run named by --snapshot (default damcha-seed1) its weights in float16 at 0, 2.5, 10, 30 and 100% of
 training, in snapshots/<run>/snapshot-<iter>.pt (train_char --snapshot_iters). Checkpoints
 go to --out_root (default out-reproduce/<dataset>/<variant>-seed<k>/). A run whose eval JSON
-exists is skipped, so an interrupted sweep continues where it stopped; a run whose checkpoint
-exists but is not yet evaluated resumes from it.
+exists is skipped, so an interrupted sweep continues where it stopped (one that ran with other
+iterations or context than asked now is refused); a run whose checkpoint exists but is not yet
+evaluated resumes from it. The train_char settings it sets for each run (seed, out_dir,
+init_from, mode, snapshot_iters; in the study, learning_rate and min_lr) are refused as flags.
 
 The 2x2 study (issue 15, --study=2x2): what in DAMCHA helps or hurts, at MHA's parameter count.
 Variants (STUDY below): mha; damcha (own slice, adaptive: the paper's model); static (own slice,
