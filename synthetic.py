@@ -205,6 +205,8 @@ def train(attn, data, task, seed, steps=DEFAULTS["steps"], batch=DEFAULTS["batch
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        if not math.isfinite(losses[-1]):   # diverged: main() stops the sweep on this run's train_loss
+            break
     model.eval()
     with torch.no_grad():
         out = torch.cat([model(x_te[i:i + 512]) for i in range(0, x_te.size(0), 512)])
@@ -337,6 +339,11 @@ def main(argv):
     jobs.sort(key=lambda j: -(j[1] if j[0] == "classification" else REG_DIM))   # the big ones first
     t0 = time.time()
     rows = run_jobs(jobs, cfg["workers"])
+    diverged = [r for r in rows if not math.isfinite(r["train_loss"])]
+    if diverged:   # a diverged run's numbers would read as a result in the summary
+        r = diverged[0]
+        die(f"{len(diverged)} of {len(rows)} runs diverged, e.g. {r['model']} on {r['task']} x={r['x']} "
+            f"seed={r['seed']} (train loss {r['train_loss']}); nothing was written; try a lower --lr")
     meta = dict(settings, seeds=cfg["seeds"], T=T, H=H, beta=BETA, K=K, reg_dim=REG_DIM, cls_lambda=CLS_LAMBDA,
                 n_train=N_TRAIN, n_test=N_TEST, lambdas=list(lambdas), dims=list(dims), workers=cfg["workers"],
                 wall_seconds=round(time.time() - t0, 1), torch=torch.__version__,

@@ -200,6 +200,12 @@ def test_bad_settings_are_refused(args, message):
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
+def test_a_diverged_run_stops_the_sweep_before_anything_is_written(tmp_path, one_thread):
+    with pytest.raises(SystemExit, match="of 2 runs diverged, e.g. mha on classification x=4 seed=0 .train loss nan"):
+        syn.main(["--lr=1e6", "--lambdas=", "--dims=4", "--steps=3", "--seeds=1", "--workers=1", f"--out={tmp_path}"])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_settings_lists_and_quick(tmp_path):
     out = str(tmp_path / "x")
     cfg, lambdas, dims, out_dir = syn.read_settings(["--workers=1", "--lambdas=0,0.6,1", "--dims=", f"--out={out}"])
