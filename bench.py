@@ -45,7 +45,8 @@ growth of the peak RSS of a fresh process over what the libraries take (rss_peak
 process's whole peak), on CUDA the peak of allocated memory. A summary goes to stderr.
 
 --memory: one float32 AdamW step at B=4, T=512, D=256, H=8, w=128, 4 layers, with the shared
-generator and with one per layer, gen_out="full" against "folded", each in a fresh process.
+generator and with one per layer, gen_out="full" against "folded", each in a fresh process; of the
+settings it takes --device only.
 """
 import json
 import os
@@ -363,12 +364,16 @@ def memory_report(fields, batch_size, device):
 
 
 def main(argv):
-    cfg, _ = configure(DEFAULTS, argv, choices=CHOICES, positive=POSITIVE, non_negative=("repeats",), doc=__doc__)
+    cfg, given = configure(DEFAULTS, argv, choices=CHOICES, positive=POSITIVE, non_negative=("repeats",), doc=__doc__)
     if cfg["n_embd"] % cfg["n_head"]:
         die(f"n_head ({cfg['n_head']}) must divide n_embd ({cfg['n_embd']})")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         die("--device=cuda: no CUDA device")
     if cfg["memory"]:
+        ignored = sorted(given - {"memory", "device"})
+        if ignored:   # it would measure its own model and say nothing of these
+            die(f"--memory measures its own model and float32 step (see --help); it takes --device only, "
+                f"drop {', '.join('--' + k for k in ignored)}")
         for line in memory_report(MEMORY_FIELDS, MEMORY_BATCH, cfg["device"]):
             print(line, flush=True)
         return

@@ -127,6 +127,7 @@ def test_memory_report_compares_full_and_folded(monkeypatch):
     (["--repeats=-1"], "repeats must be zero or more"),
     (["--quick", "--workers=1"], "unknown setting 'workers'"),
     (["--quick", "1"], "no such config file"),
+    (["--memory", "--batch_size=2", "--quick"], "it takes --device only, drop --batch_size, --quick"),
 ])
 def test_bad_settings_are_refused(args, message):
     with pytest.raises(SystemExit) as refused:
