@@ -665,6 +665,9 @@ def main(argv):
                            vocab_size=len(vocab))
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    if prompt.shape[1] > config.block_size:
+        raise SystemExit(f"--start is {prompt.shape[1]} bytes, longer than the model's block_size of "
+                         f"{config.block_size}: it would not see the beginning")
     n = int(0.9 * len(data))
     train, val = data[:n], data[n:]
     if len(val) < config.block_size + 2:
@@ -696,7 +699,7 @@ def main(argv):
             print(f"iter {it:5d} | train loss {loss:.4f} | lr {lr:.2e}")
     sample = generate(params, config, prompt, 300, rng)
     print("-" * 60)
-    print(vocab[sample[0]].tobytes().decode("ascii", errors="replace"))
+    print(vocab[sample[0]].tobytes().decode("utf-8", errors="replace"))
 
 
 if __name__ == "__main__":

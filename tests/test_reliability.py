@@ -305,6 +305,8 @@ def test_damcha_numpy_checks_before_training_and_stops_on_a_non_finite_loss(tmp_
     empty = tmp_path / 'empty.txt'
     empty.write_bytes(b'')
     assert fails(f'--data={empty}', main=main) == f'--data={empty}: the file is empty'
+    assert fails('--start=ROMEO: hello', '--block_size=8', main=main) == \
+        "--start is 12 bytes, longer than the model's block_size of 8: it would not see the beginning"
 
 
 # ---------------------------------------------------------------------------------------------
