@@ -118,16 +118,18 @@ def parse_config(argv):
 # ---------------------------------------------------------------------------------------------
 # Checkpoints (reading them, the logs, the lock and the model: checkpoint.py)
 
-def parse_iters(text, start, max_iters):
+def parse_iters(text, start, max_iters, whose='given'):
     """'0,1000,5000' -> {0, 1000, 5000}; anything else, or an iteration the run never reaches (from
-    start, where a resumed run begins, to max_iters), is a one-line error."""
+    start, where a resumed run begins, to max_iters), is a one-line error. whose: where the list
+    came from, for that error."""
     try:
         iters = {int(t) for t in text.split(',') if t.strip()}
     except ValueError:
         die(f"snapshot_iters={text!r}: give iterations as comma-separated whole numbers, e.g. 0,1000,5000")
     outside = sorted(i for i in iters if not start <= i <= max_iters)
     if outside:
-        die(f"snapshot_iters: {outside} outside this run's iterations {start}..{max_iters}")
+        die(f"snapshot_iters ({whose}): {outside} outside this run's iterations {start}..{max_iters}"
+            + ("; --snapshot_iters= sets others, or none" if whose != 'given' else ''))
     return iters
 
 
@@ -252,6 +254,8 @@ def resolve(cfg, given):
                 "raise max_iters to train further")
         if 'snapshot_iters' in given:   # asked for now: none before the resume (those saved earlier are kept)
             parse_iters(cfg['snapshot_iters'], ckpt['iter_num'], cfg['max_iters'])
+        else:
+            parse_iters(cfg['snapshot_iters'], 0, cfg['max_iters'], "the checkpoint's")
     elif os.path.exists(os.path.join(cfg['out_dir'], 'ckpt.pt')):
         die(f"{os.path.join(cfg['out_dir'], 'ckpt.pt')} exists: continue it with --init_from=resume, "
             "or choose another --out_dir")

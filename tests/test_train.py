@@ -485,10 +485,16 @@ def test_ddp_ranks_waiting_for_missing_data_stop_in_one_line(tmp_path):
     assert "RuntimeError" not in result.stderr
 
 
-def test_snapshots_asked_for_at_a_resume_lie_ahead_of_it(trained):
-    """Snapshots before the checkpoint's iteration would never be written: refused, not skipped."""
-    assert "snapshot_iters: [5] outside this run's iterations 20..40" in fails(
+def test_snapshots_asked_for_at_a_resume_lie_ahead_of_it(trained, tmp_path):
+    """Snapshots before the checkpoint's iteration would never be written: refused, not skipped;
+    so are those the checkpoint keeps asking for past a lowered max_iters, saying where they come from."""
+    assert "snapshot_iters (given): [5] outside this run's iterations 20..40" in fails(
         '--init_from=resume', f'--out_dir={trained}', '--max_iters=40', '--snapshot_iters=5,30')
+    ckpt = torch.load(trained / 'ckpt.pt', weights_only=True)
+    (tmp_path / 'run').mkdir()
+    torch.save(ckpt | {'config': ckpt['config'] | {'snapshot_iters': '30,60'}}, tmp_path / 'run' / 'ckpt.pt')
+    assert ("snapshot_iters (the checkpoint's): [60] outside this run's iterations 0..40; --snapshot_iters= sets "
+            "others, or none") in fails('--init_from=resume', f"--out_dir={tmp_path / 'run'}", '--max_iters=40')
 
 
 def test_non_finite_loss_stops_and_keeps_the_checkpoint(trained, monkeypatch, tmp_path, capsys):
