@@ -459,7 +459,10 @@ def main(argv):
         fields = dict(vocab_size=65, **{k: cfg[k] for k in ("block_size", "n_layer", "n_head", "n_embd")})
         B = cfg["batch_size"]
     budget = Budget(cfg["budget_check"])
-    check_large_offsets(damcha_attention, budget, *([(1, 2, 40, 8, 16), torch.float32] if smoke else []))
+    if smoke:
+        check_large_offsets(damcha_attention, budget, shape=(1, 2, 40, 8, 16), dtype=torch.float32)
+    else:
+        check_large_offsets(damcha_attention, budget)
     checks(damcha_attention, check_shapes, dtypes, budget)
     # torch_compiled: the torch path as a compiled model runs it, q = x m as inductor generates it
     ops = {"torch": torch_path, "torch_compiled": torch.compile(torch_path, dynamic=False), "triton": damcha_attention}

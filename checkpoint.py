@@ -226,7 +226,8 @@ def build_model(model_args, ckpt=None):
             model.load_state_dict(ckpt['model'])
         except (RuntimeError, KeyError, TypeError) as e:
             saved = ckpt['model_args']
-            changed = [f"{k}={v!r} (the checkpoint's: {saved[k]!r})" for k, v in model_args.items() if saved.get(k) != v]
+            changed = [f"{k}={v!r} (the checkpoint's: {saved.get(k)!r})" for k, v in model_args.items()
+                       if saved.get(k) != v]
             if changed:   # settings given now, in a config file or a flag, override the saved ones
                 die(f"the checkpoint's weights do not fit the model with {', '.join(changed)}: settings given "
                     "in config files and flags override the checkpoint's; give the run's own, or none")

@@ -496,9 +496,10 @@ class GPT(nn.Module):
                 logits, _ = self(idx, cache=cache)                   # the prompt, filling the cache
             else:
                 logits, _ = self(idx[:, -1:], cache=cache)           # the newest token only
-            # float64, from the largest: any temperature > 0 stays finite (near 0, the most likely token)
-            logits = logits[:, -1, :].double()
-            logits = (logits - logits.amax(-1, keepdim=True)) / temperature
+            # from the largest logit: near temperature 0 the others go to -inf (never inf - inf),
+            # leaving the most likely token; below 1e-30, which float32 rounds to 0, that holds already
+            logits = logits[:, -1, :]
+            logits = (logits - logits.amax(-1, keepdim=True)) / max(temperature, 1e-30)
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float("inf")

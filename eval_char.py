@@ -2,7 +2,7 @@
 eval_char.py: evaluate, sample from and plot the runs that train_char.py trained.
 
 In the manner of nanoGPT's sample.py: it reads out_dir/ckpt.pt and keeps the run's saved settings
-(its data, model, device, precision and batch size) except those you pass, so `--blocks=diag` ablates
+(its data, model, device, precision, compile, batch size and seed) except those you pass, so `--blocks=diag` ablates
 a trained model at inference (a model trained with --gen_out=full); the sampling settings are this
 script's own. Settings: the defaults below, then config files and --key=value flags, read by the
 configurator that every script uses.

@@ -35,8 +35,8 @@ training, in snapshots/<run>/snapshot-<iter>.pt (train_char --snapshot_iters). C
 go to --out_root (default out-reproduce/<dataset>/<variant>-seed<k>/). A run whose eval JSON
 exists is skipped, so an interrupted sweep continues where it stopped (one that ran with other
 iterations or context than asked now is refused); a run whose checkpoint exists but is not yet
-evaluated resumes from it. The train_char settings it sets for each run (seed, out_dir,
-init_from, mode, snapshot_iters; in the study, learning_rate and min_lr) are refused as flags.
+evaluated resumes from it. The train_char settings it decides (seed, out_dir, init_from, mode,
+snapshot_iters, always_save_checkpoint; in the study, learning_rate and min_lr) are refused as flags.
 
 The 2x2 study (issue 15, --study=2x2): what in DAMCHA helps or hurts, at MHA's parameter count.
 Variants (STUDY below): mha; damcha (own slice, adaptive: the paper's model); static (own slice,
@@ -97,7 +97,11 @@ REGIMES = dict(lr=dict(max_iters=1860, eval_interval=100), i=dict(max_iters=1860
 # <results>/snapshots/<run>/: notebooks/04 plots its learned metric over training from them
 SNAPSHOT_AT = (0, 0.025, 0.1, 0.3, 1)
 CPU_ITERS = 10000   # shakespeare's default: DAMCHA's run takes about 10 minutes on 2 CPU cores
-PER_RUN = ('seed', 'out_dir', 'init_from', 'mode', 'snapshot_iters')   # train_char settings set for each run
+# train_char settings this script decides, refused as flags: why
+REFUSED = dict(seed='it sets it for each run (--seeds)', out_dir='it sets it for each run (--out_root)',
+               init_from='it sets it for each run', mode='it sets it for each run',
+               snapshot_iters='it sets it for the run named by --snapshot',
+               always_save_checkpoint='it evaluates each run at its last iteration')
 
 
 def config_files(dataset, fields):
@@ -129,14 +133,16 @@ def parse_options(argv):
         key, eq, value = arg.removeprefix('--').partition('=')
         if arg in ('-h', '--help') or key in OPTIONS:
             own.append(arg)
-        elif key in PER_RUN or (key in ('learning_rate', 'min_lr') and '--study=2x2' in argv):
-            die(f"--{key}: reproduce.py sets it for each run" + (" (the study's from its LR sweep)"
-                                                                  if key in ('learning_rate', 'min_lr') else ''))
         elif arg.startswith('--') and eq:
             passthrough[key] = value
         else:
             die(f"{arg}: options are written --key=value")
     opts, given = configure(OPTIONS, own, positive=('seeds',), non_negative=('max_iters',), doc=__doc__)
+    for key in passthrough:
+        if key in REFUSED:
+            die(f"--{key}: reproduce.py decides it: {REFUSED[key]}")
+        if opts['study'] and key in ('learning_rate', 'min_lr'):
+            die(f"--{key}: the study takes each variant's rate from its LR sweep (--regime=lr, --lr_grid)")
     if opts['study'] not in ('', '2x2'):
         die(f"study must be '' (issue 7's sweep) or '2x2', not {opts['study']!r}")
     if opts['regime'] not in REGIMES:
@@ -263,7 +269,10 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
     these RowSum blocks (val_bpc_<blocks>); extra: keys added to the eval JSON. may_diverge: a run
     that stops on a non-finite loss is recorded (failed, val_bpc inf) rather than ending the sweep."""
     trained = checkpoint_iter(out_dir)
-    if trained is not None and trained >= max_iters:
+    if trained is not None and trained > max_iters:   # its bpc would be summarized beside max_iters
+        die(f"{out_dir}/ckpt.pt is at iter {trained}, past the max_iters={max_iters} asked now; "
+            "give its settings, or another --out_root")
+    if trained == max_iters:
         print(f"{run}: trained, {out_dir}/ckpt.pt is at max_iters; evaluating it", flush=True)
     else:
         cmd = [sys.executable, TRAIN_CHAR, *(os.path.join(HERE, f) for f in files)]

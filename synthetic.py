@@ -205,7 +205,7 @@ def train(attn, data, task, seed, steps=DEFAULTS["steps"], batch=DEFAULTS["batch
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        if not math.isfinite(losses[-1]):   # diverged: main() stops the sweep on this run's train_loss
+        if not math.isfinite(losses[-1]):   # diverged: run_jobs stops the sweep on this run's train_loss
             break
     model.eval()
     with torch.no_grad():
@@ -293,10 +293,18 @@ def read_settings(argv):
 
 
 def run_jobs(jobs, workers):
-    """run_point over the jobs, in `workers` processes; the rows of all, in any order."""
+    """run_point over the jobs, in `workers` processes; the rows of all, in any order. A diverged
+    run stops them all at once (the pool's with-block ends its workers): its numbers would read as
+    a result in the summary, and a lower --lr needs every run again."""
     t0 = time.time()
     rows = []
-    done = lambda r: print(f"[{time.time() - t0:6.0f}s] {r[0]['task']} x={r[0]['x']} seed={r[0]['seed']} done", flush=True)
+
+    def done(r):
+        for row in r:
+            if not math.isfinite(row["train_loss"]):
+                die(f"{row['model']} on {row['task']} x={row['x']} seed={row['seed']} diverged (train loss "
+                    f"{row['train_loss']}); stopped, nothing written; try a lower --lr")
+        print(f"[{time.time() - t0:6.0f}s] {r[0]['task']} x={r[0]['x']} seed={r[0]['seed']} done", flush=True)
     if workers > 1:
         import multiprocessing
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
@@ -339,11 +347,6 @@ def main(argv):
     jobs.sort(key=lambda j: -(j[1] if j[0] == "classification" else REG_DIM))   # the big ones first
     t0 = time.time()
     rows = run_jobs(jobs, cfg["workers"])
-    diverged = [r for r in rows if not math.isfinite(r["train_loss"])]
-    if diverged:   # a diverged run's numbers would read as a result in the summary
-        r = diverged[0]
-        die(f"{len(diverged)} of {len(rows)} runs diverged, e.g. {r['model']} on {r['task']} x={r['x']} "
-            f"seed={r['seed']} (train loss {r['train_loss']}); nothing was written; try a lower --lr")
     meta = dict(settings, seeds=cfg["seeds"], T=T, H=H, beta=BETA, K=K, reg_dim=REG_DIM, cls_lambda=CLS_LAMBDA,
                 n_train=N_TRAIN, n_test=N_TEST, lambdas=list(lambdas), dims=list(dims), workers=cfg["workers"],
                 wall_seconds=round(time.time() - t0, 1), torch=torch.__version__,

@@ -110,10 +110,13 @@ def write_splits(folder, ids, vocab, percents, source, digest):
     return meta | {'dir': folder}
 
 
-def download(url, archive, name, source):
-    """The verified contents of url, which appears at `archive` only once downloaded and verified:
-    a dropped connection, a Ctrl-C or a failed check leaves nothing behind (atomic_write), and the
-    next attempt starts over. Two runs downloading at once each write their own temporary file."""
+def download(name, archive):
+    """The verified contents of enwik8 or text8, downloaded: the archive appears at `archive` only
+    once complete and verified. A dropped connection, a Ctrl-C or a failed check leaves nothing
+    behind (atomic_write), and the next attempt starts over; two runs downloading at once each
+    write their own temporary file."""
+    source = SOURCES[name]
+    url = source['url']
     print(f"downloading {url} to {archive}", file=sys.stderr)
     try:
         with urllib.request.urlopen(url, timeout=60) as response, atomic_write(archive) as f:
@@ -149,11 +152,10 @@ def unzip_verified(path, name, source):
 def fetch(name, archive):
     """The verified contents of enwik8 or text8: from the archive if it is there (or was put
     there by hand), else downloaded."""
-    source = SOURCES[name]
     if not os.path.exists(archive):
-        return download(source['url'], archive, name, source)
+        return download(name, archive)
     try:
-        return unzip_verified(archive, name, source)
+        return unzip_verified(archive, name, SOURCES[name])
     except ValueError as e:
         die(f"{archive}: {e}; delete it to download it again")
 

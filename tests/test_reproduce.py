@@ -164,10 +164,22 @@ def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys):
         reproduce.main(['--study=2x2', '--regime=ii', '--device=cpu', *study])
 
 
+def test_a_checkpoint_past_the_asked_iterations_is_refused_not_evaluated(tmp_path):
+    """Its bpc would be summarized beside the smaller max_iters asked now."""
+    (tmp_path / 'out' / 'mha-seed1').mkdir(parents=True)
+    torch.save(dict(iter_num=10), tmp_path / 'out' / 'mha-seed1' / 'ckpt.pt')
+    with pytest.raises(SystemExit, match='ckpt.pt is at iter 10, past the max_iters=5 asked now'):
+        reproduce.main(['--device=cpu', '--variants=mha', '--seeds=1', '--max_iters=5',
+                        f"--results={tmp_path / 'results'}", f"--out_root={tmp_path / 'out'}"])
+    assert not os.listdir(tmp_path / 'results')
+
+
 def test_settings_reproduce_sets_for_each_run_are_refused():
-    for args, words in ((['--seed=42'], '--seed: reproduce.py sets it for each run'),
-                        (['--out_dir=x'], '--out_dir: reproduce.py sets it'),
-                        (['--study=2x2', '--learning_rate=1e-3'], "sets it for each run (the study's from its LR sweep)")):
+    for args, words in ((['--seed=42'], '--seed: reproduce.py decides it: it sets it for each run (--seeds)'),
+                        (['--out_dir=x'], '--out_dir: reproduce.py decides it'),
+                        (['--always_save_checkpoint=False'], 'it evaluates each run at its last iteration'),
+                        (['seed=3'], 'seed=3: options are written --key=value'),
+                        (['--learning_rate=1e-3', '--study=2x2'], "the study takes each variant's rate from its LR sweep")):
         with pytest.raises(SystemExit, match=re.escape(words)):
             reproduce.parse_options(args)
     assert reproduce.parse_options(['--learning_rate=1e-3'])[1] == {'learning_rate': '1e-3'}   # the sweep takes it

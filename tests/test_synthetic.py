@@ -200,10 +200,13 @@ def test_bad_settings_are_refused(args, message):
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_a_diverged_run_stops_the_sweep_before_anything_is_written(tmp_path, one_thread):
-    with pytest.raises(SystemExit, match="of 2 runs diverged, e.g. mha on classification x=4 seed=0 .train loss nan"):
-        syn.main(["--lr=1e6", "--lambdas=", "--dims=4", "--steps=3", "--seeds=1", "--workers=1", f"--out={tmp_path}"])
-    assert list(tmp_path.iterdir()) == []
+def test_a_diverged_run_stops_the_sweep_before_anything_is_written(tmp_path, one_thread, monkeypatch):
+    points = []
+    run_point = syn.run_point
+    monkeypatch.setattr(syn, "run_point", lambda job: points.append(job) or run_point(job))
+    with pytest.raises(SystemExit, match="mha on classification x=8 seed=0 diverged .train loss nan.; stopped"):
+        syn.main(["--lr=1e6", "--lambdas=", "--dims=4,8", "--steps=3", "--seeds=1", "--workers=1", f"--out={tmp_path}"])
+    assert len(points) == 1 and list(tmp_path.iterdir()) == []   # at once: x=4 never ran
 
 
 def test_settings_lists_and_quick(tmp_path):

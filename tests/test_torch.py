@@ -307,9 +307,9 @@ def fixed_logits(model, z):
     model.forward = forward
 
 
-@pytest.mark.parametrize("temperature, top_k", [(2.0, None), (1.0, 2), (1.0, 1), (1e-40, None)])
+@pytest.mark.parametrize("temperature, top_k", [(2.0, None), (1.0, 2), (1.0, 1), (1e-40, None), (1e-50, None)])
 def test_generate_samples_at_the_temperature_within_top_k(temperature, top_k):
-    z = torch.tensor([0.0, 1.0, 2.0, 3.0])      # float32, as the model's: 3 / 1e-40 overflows it
+    z = torch.tensor([0.0, 1.0, 2.0, 3.0])      # float32, as the model's: 3 / 1e-40 overflows it, 1e-50 is 0 in it
     model = GPT(GPTConfig(**dict(TINY, vocab_size=4)))
     fixed_logits(model, z)
     z = z.double()

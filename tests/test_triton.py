@@ -351,6 +351,10 @@ def test_bench_reports_a_failing_implementation_and_times_the_others(capsys):
     assert [(r["metric"], r["impl"]) for r in rows if "error" in r] == [("per_token", "broken"), ("static", "broken")]
     assert all(r["error"] == "RuntimeError: no kernel for this" for r in rows if "error" in r)
     assert [(r["metric"], r["impl"]) for r in rows if "fwd_ms" in r] == [("per_token", "torch"), ("static", "torch")]
+    bench_triton_gpu.op_rows({"torch": broken, "other": torch_path}, (1, 2, 8, 4), [torch.float32], None,
+                             bench_triton_gpu.Budget(60))   # the torch path itself: no ratios to it
+    timed = [r for r in map(json.loads, capsys.readouterr().out.splitlines()) if "fwd_ms" in r]
+    assert [r["impl"] for r in timed] == ["other", "other"] and all(r["fwd_speedup_vs_torch"] is None for r in timed)
 
 
 def test_bench_rows_compute_what_they_name(monkeypatch, capsys):
@@ -390,6 +394,10 @@ def test_bench_checks_fail_on_one_wrong_gradient_and_keep_their_budget(capsys):
         raise AssertionError("a skipped row ran")
     bench.checks(never, [(1, 2, 20, 8)], [torch.float32], bench.Budget(-1))
     assert all(json.loads(line)["skipped"] == "time budget" for line in capsys.readouterr().out.splitlines())
+    # each shape in every dtype before the next shape: a budget that runs out cuts shapes, not a dtype
+    bench.checks(torch_path, [(1, 2, 8, 8), (1, 2, 7, 12)], [torch.float32, torch.float64], bench.Budget(60))
+    order = [(r["dh"], r["dtype"]) for r in map(json.loads, capsys.readouterr().out.splitlines())]
+    assert order == [(8, "float32")] * 2 + [(8, "float64")] * 2 + [(12, "float32")] * 2 + [(12, "float64")] * 2
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "unshared"])
@@ -451,9 +459,6 @@ def test_gpt_kernel_triton_matches_spec_and_numpy(variant):
         assert rel_err(p.grad, torch.from_numpy(ref_grads[name])) < GRAD_TOL, name
 
 
-# ----------------------------------------------------------------------------------------------
-# GPU only
-
 @pytest.mark.parametrize("dtype, B, H, T, dh", [(torch.float16, 2, 2, 37, 8), (torch.float16, 2, 2, 37, 12),
                                                 (torch.float16, 1, 2, 40, 48)] if DEVICE == "cpu" else
                          [(torch.bfloat16, 2, 4, 1000, 64), (torch.float16, 2, 4, 1000, 64)])
@@ -471,6 +476,9 @@ def test_half_precision(dtype, B, H, T, dh, static):
         err, err_torch = rel_err(a, b), rel_err(t, b)
         assert err < 2 * err_torch + 1e-3 and err < 5e-2, f"{name}: {err:.2e} (torch {dtype}: {err_torch:.2e})"
 
+
+# ----------------------------------------------------------------------------------------------
+# GPU only
 
 @requires_cuda
 @pytest.mark.parametrize("static", [False, True], ids=["per_token", "static"])
