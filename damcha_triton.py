@@ -90,9 +90,10 @@ def _keep_for_dtype(configs, named_args, **kwargs):
     return kept
 
 
-def _autotune(*options, key=("dh", "T")):
+def _autotune(*options, key=("dh", "T", "PRECISION")):
     # the choice is kept per key and per dtype of the tensor arguments: kernels that take both
-    # kinds of metric add PER_TOKEN to their key, or a static launch would reuse the per-token choice
+    # kinds of metric add PER_TOKEN to their key, or a static launch would reuse the per-token
+    # choice; PRECISION, as float32 with TF32 allowed runs other instructions than without
     return triton.autotune(configs=_configs(*options), key=list(key),
                            prune_configs_by={"early_config_prune": _keep_for_dtype})
 
@@ -187,7 +188,7 @@ def _fwd_block(q, row_max, row_sum, acc, x_base, v_base, rows, start_n, cols, st
     return new_max, row_sum, acc
 
 
-@_autotune(*FWD_CONFIGS, key=("dh", "T", "PER_TOKEN"))
+@_autotune(*FWD_CONFIGS, key=("dh", "T", "PER_TOKEN", "PRECISION"))
 @triton.jit
 def _attn_fwd(x_ptr, m_ptr, v_ptr, o_ptr, lse_ptr, q_ptr,
               stride_xb, stride_xh, stride_xt, stride_xd,
@@ -317,7 +318,7 @@ def _bwd_dq_block(dq, q, do, lse, delta, x_base, v_base, rows, start_n, cols,
     return dq
 
 
-@_autotune(*BWD_CONFIGS, key=("dh", "T", "PER_TOKEN"))
+@_autotune(*BWD_CONFIGS, key=("dh", "T", "PER_TOKEN", "PRECISION"))
 @triton.jit
 def _bwd_dq(x_ptr, m_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dx_ptr, dq_ptr,
             stride_xb, stride_xh, stride_xt, stride_xd,

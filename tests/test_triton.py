@@ -338,6 +338,7 @@ def test_autotuning_keeps_one_choice_per_kind_of_metric():
     the choice made for per-token ones (a 6-deep pipeline over an m it does not stream)."""
     for kernel in (damcha_triton._attn_fwd, damcha_triton._bwd_dkdv, damcha_triton._bwd_dq):
         assert ("PER_TOKEN" in kernel.keys) == ("PER_TOKEN" in kernel.arg_names), kernel.fn.__name__
+        assert "PRECISION" in kernel.keys   # and per float32 precision: TF32 or IEEE products
 
 
 def test_bench_reports_a_failing_implementation_and_times_the_others(capsys):
