@@ -2,9 +2,9 @@
 eval_char.py: evaluate, sample from and plot the runs that train_char.py trained.
 
 In the manner of nanoGPT's sample.py: it reads out_dir/ckpt.pt and keeps the run's saved settings
-(its data, model, device, precision, compile, batch size and seed) except those you pass, so `--blocks=diag` ablates
-a trained model at inference (a model trained with --gen_out=full); the sampling settings are this
-script's own. Settings: the defaults below, then config files and --key=value flags, read by the
+(its data, model, device, precision, batch size and seed) except those you pass, so `--blocks=diag`
+ablates a trained model at inference (a model trained with --gen_out=full); compile and the sampling
+settings are this script's own. Settings: the defaults below, then config files and --key=value flags, read by the
 configurator that every script uses.
 
     python eval_char.py --out_dir=out-shakespeare                    # bpc of the whole val split (and test), as JSON
@@ -41,9 +41,10 @@ DEFAULTS = dict(
     seed=1337,
     device='auto',                # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     dtype='auto',                 # auto (CUDA: bfloat16 if supported, else float16; float32 elsewhere)
-    compile=False,
     batch_size=12,                # windows per forward pass in eval
-    # eval
+    # eval (this script's own: a run trained compiled, on a GPU, may be evaluated on a CPU, where
+    # compiling takes minutes; and one pass over a split rarely repays the compile anyway)
+    compile=False,                # torch.compile the model
     stride=0,                     # window step; 0: block_size (non-overlapping windows)
     # sample (this script's own: not the trainer's settings for its end-of-run sample)
     start='',                     # prompt, or FILE:path; '' is a newline (a space for text8)
@@ -65,7 +66,7 @@ LN2 = math.log(2)
 
 def load_for_inference(cfg, given):
     ckpt = load_checkpoint(cfg['out_dir'])
-    cfg, model_args = from_checkpoint(ckpt, cfg, given, keep=('mode', 'out_dir', *SAMPLING))
+    cfg, model_args = from_checkpoint(ckpt, cfg, given, keep=('mode', 'out_dir', 'compile', *SAMPLING))
     device = pick_device(cfg['device'], 0)
     dtype, ctx = autocast_for(device, cfg['dtype'])
     check_kernel(model_args['kernel'], device, dtype)

@@ -600,17 +600,23 @@ def test_mix_training_and_eval_report_both_corpora(corpora, capsys, monkeypatch)
 
 
 def test_sampling_says_it_runs_uncompiled(trained, capsys):
-    """compile=True (as the GPU model configs set it) serves eval; sampling says it runs uncompiled."""
+    """compile=True serves eval; sampling says it runs uncompiled."""
     run_eval('--mode=sample', f'--out_dir={trained}', '--compile=True', '--max_new_tokens=5')
     out, err = capsys.readouterr()
     assert 'note: compile=True applies to --mode=eval; sampling runs the model uncompiled' in err and out
 
 
-def test_sampling_settings_are_eval_chars_own(trained, capsys):
-    """The trainer's settings for its end-of-run sample (TINY: 20 new characters) stay with it."""
-    run_eval('--mode=sample', f'--out_dir={trained}', '--start=ROMEO:')
-    sample = capsys.readouterr().out.removesuffix('\n---------------\n')
+def test_sampling_settings_and_compile_are_eval_chars_own(trained, tmp_path, capsys):
+    """The trainer's settings for its end-of-run sample (TINY: 20 new characters) stay with it, and
+    so does compile (the GPU configs set it; the run may be evaluated on a CPU)."""
+    ckpt = torch.load(trained / 'ckpt.pt', weights_only=True)
+    (tmp_path / 'run').mkdir()
+    torch.save(ckpt | {'config': ckpt['config'] | {'compile': True}}, tmp_path / 'run' / 'ckpt.pt')
+    run_eval('--mode=sample', f"--out_dir={tmp_path / 'run'}", '--start=ROMEO:')
+    out, err = capsys.readouterr()
+    sample = out.removesuffix('\n---------------\n')
     assert sample.startswith('ROMEO:') and len(sample) == len('ROMEO:') + ec.DEFAULTS['max_new_tokens'] == 506
+    assert 'compile=True' not in err
 
 
 def test_sample_from_a_file_prompt(trained, tmp_path, capsys):
