@@ -107,7 +107,7 @@ def test_summary_lines(rows):
     assert lines[-1].startswith("numpy / torch") and "2.50x, met" in lines[-1]
 
 
-def test_memory_report_compares_full_and_folded(monkeypatch):
+def test_memory_report_compares_full_and_folded(monkeypatch, capsys):
     # the fresh-process measurement itself runs in test_measure_rows_...; here its numbers are
     # given, (before, peak) in MiB, to check what the report makes of them
     peaks = {("full", True): (100.0, 300.0), ("folded", True): (100.0, 200.0),
@@ -118,6 +118,9 @@ def test_memory_report_compares_full_and_folded(monkeypatch):
     assert len(lines) == 8 and lines[0].startswith("B=2") and "'share': True" in lines[0]
     assert lines[3] == "  full / folded peak: 1.500 (model and step: 2.000)"
     assert lines[7] == "  full / folded peak: 2.000 (model and step: 2.667)"
+    monkeypatch.setattr(bench, "memory_report", lambda fields, batch_size, device: [f"measured on {device}"])
+    bench.main(["--memory", "--device=cpu"])   # the one setting --memory takes
+    assert capsys.readouterr().out == "measured on cpu\n"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -307,6 +307,9 @@ def test_damcha_numpy_checks_before_training_and_stops_on_a_non_finite_loss(tmp_
     assert fails(f'--data={empty}', main=main) == f'--data={empty}: the file is empty'
     assert fails('--start=ROMEO: hello', '--block_size=8', main=main) == \
         "--start is 12 bytes, longer than the model's block_size of 8: it would not see the beginning"
+    result = cli('--start=ROMEO:', '--block_size=6', '--n_layer=1', '--iters=1', '--eval_every=1', '--warmup=1',
+                 script='damcha_numpy.py')   # as long as the context: taken
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -156,12 +156,24 @@ def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys):
         with pytest.raises(SystemExit, match=words):
             reproduce.main(['--device=cpu', charlevel, f"--out_root={tmp_path / 'out'}", *more])
     study = [f"--results={tmp_path / 'results' / 'study2x2'}", f"--out_root={tmp_path / 'out'}"]
+    lr_summary = tmp_path / 'results' / 'study2x2' / 'lr' / 'summary.json'
+    lr = json.loads(lr_summary.read_text())
+    lr_summary.write_text(json.dumps(lr | {'chosen_lr': lr['chosen_lr'] | {'mha': 0.002}}))   # chosen anew since
+    with pytest.raises(SystemExit, match='mha-seed1 ran with learning_rate=0.004, not 0.002'):
+        reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', *study])
+    lr_summary.write_text(json.dumps(lr))
+    with pytest.raises(SystemExit, match='ran with block_size=64, not 32'):
+        reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', '--block_size=32', *study])
+    (tmp_path / 'results' / 'charlevel' / 'shakespeare' / 'damcha-seed1.eval.json').write_text('')   # another variant's
+    with pytest.raises(SystemExit, match='damcha-seed1.eval.json is not readable JSON'):
+        reproduce.main(['--device=cpu', '--variants=mha', charlevel, f"--out_root={tmp_path / 'out'}"])
     (tmp_path / 'results' / 'study2x2' / 'i' / 'mha-seed1.eval.json').write_text('{"iter": 18')   # a damaged one
     with pytest.raises(SystemExit, match='mha-seed1.eval.json is not readable JSON'):
         reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', *study])
-    (tmp_path / 'results' / 'study2x2' / 'lr' / 'summary.json').write_text('{"chosen_lr": {"mha": "x"}}')
-    with pytest.raises(SystemExit, match='is damaged: its chosen_lr should map variants to learning rates'):
-        reproduce.main(['--study=2x2', '--regime=ii', '--device=cpu', *study])
+    for damaged in ('"x"', '0'):
+        lr_summary.write_text('{"chosen_lr": {"mha": %s}}' % damaged)
+        with pytest.raises(SystemExit, match='is damaged: its chosen_lr should map variants to learning rates'):
+            reproduce.main(['--study=2x2', '--regime=ii', '--device=cpu', *study])
 
 
 def test_a_checkpoint_past_the_asked_iterations_is_refused_not_evaluated(tmp_path):
@@ -178,6 +190,10 @@ def test_settings_reproduce_sets_for_each_run_are_refused():
     for args, words in ((['--seed=42'], '--seed: reproduce.py decides it: it sets it for each run (--seeds)'),
                         (['--out_dir=x'], '--out_dir: reproduce.py decides it'),
                         (['--always_save_checkpoint=False'], 'it evaluates each run at its last iteration'),
+                        (['--snapshot_iters=0'], 'it sets it for the run named by --snapshot'),
+                        (['--init_from=resume'], '--init_from: reproduce.py decides it'),
+                        (['--mode=eval'], '--mode: reproduce.py decides it'),
+                        (['--min_lr=1e-4', '--study=2x2'], "--min_lr: the study takes each variant's rate"),
                         (['seed=3'], 'seed=3: options are written --key=value'),
                         (['--learning_rate=1e-3', '--study=2x2'], "the study takes each variant's rate from its LR sweep")):
         with pytest.raises(SystemExit, match=re.escape(words)):
@@ -280,7 +296,7 @@ def test_only_a_diverged_run_is_recorded_as_diverged(tmp_path):
                 eval_iters=1, device='cpu', data_dir=str(tmp_path / 'data'), gen_width=8)
     opts = dict(snapshot='', device='cpu')
     (tmp_path / 'results').mkdir()
-    with pytest.raises(SystemExit, match='training bad failed'):
+    with pytest.raises(SystemExit, match='training bad failed .* once that is fixed, the same command resumes it'):
         reproduce.train_and_evaluate('bad', str(tmp_path / 'bad'), (), tiny | dict(vocab_size=2), 20, opts,
                                      str(tmp_path / 'results'), 'too small a vocabulary', may_diverge=True)
     assert not (tmp_path / 'results' / 'bad.eval.json').exists()

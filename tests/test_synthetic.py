@@ -207,6 +207,10 @@ def test_a_diverged_run_stops_the_sweep_before_anything_is_written(tmp_path, one
     with pytest.raises(SystemExit, match="mha on classification x=8 seed=0 diverged .train loss nan.; stopped"):
         syn.main(["--lr=1e6", "--lambdas=", "--dims=4,8", "--steps=3", "--seeds=1", "--workers=1", f"--out={tmp_path}"])
     assert len(points) == 1 and list(tmp_path.iterdir()) == []   # at once: x=4 never ran
+    finite = dict(task="classification", x=4, seed=0, train_loss=1.0)   # any model of a point may diverge
+    monkeypatch.setattr(syn, "run_point", lambda job: [dict(finite, model="mha"), dict(finite, model="damcha", train_loss=math.nan)])
+    with pytest.raises(SystemExit, match="damcha on classification x=4 seed=0 diverged"):
+        syn.run_jobs([("classification", 4, 0, {})], 1)
 
 
 def test_settings_lists_and_quick(tmp_path):

@@ -307,9 +307,12 @@ def fixed_logits(model, z):
     model.forward = forward
 
 
-@pytest.mark.parametrize("temperature, top_k", [(2.0, None), (1.0, 2), (1.0, 1), (1e-40, None), (1e-50, None)])
-def test_generate_samples_at_the_temperature_within_top_k(temperature, top_k):
-    z = torch.tensor([0.0, 1.0, 2.0, 3.0])      # float32, as the model's: 3 / 1e-40 overflows it, 1e-50 is 0 in it
+@pytest.mark.parametrize("temperature, top_k, dtype", [(2.0, None, torch.float32), (1.0, 2, torch.float32),
+                                                       (1.0, 1, torch.float32), (1e-40, None, torch.float32),
+                                                       (1e-50, None, torch.float32), (1e-5, None, torch.float16)])
+def test_generate_samples_at_the_temperature_within_top_k(temperature, top_k, dtype):
+    # the logits' dtype as under autocast: 3 / 1e-40 overflows float32 and 1e-50 is 0 there; 3 / 1e-5 overflows float16
+    z = torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=dtype)
     model = GPT(GPTConfig(**dict(TINY, vocab_size=4)))
     fixed_logits(model, z)
     z = z.double()

@@ -240,6 +240,15 @@ def test_the_last_rows_check_of_large_offsets():
     assert all(e < GRAD_TOL for e in err.values()) and set(err) == {"o", "dx", "dm"}, err
 
 
+def test_the_large_offsets_row_fails_on_a_wrong_dx(capsys):
+    import bench_triton_gpu as bench
+    wrong_dx = lambda x, m, v: damcha_attention(x, m, v) + 1e-1 * (x - x.detach())   # o and dm exact, dx off
+    bench.check_large_offsets(wrong_dx, bench.Budget(60), shape=(1, 2, 40, 8, 16), dtype=torch.float32)
+    row = json.loads(capsys.readouterr().out)
+    assert row["ok"] is False and row["err_triton"]["o"] < 1e-6 and row["err_triton"]["dx"] > 5e-2
+    assert row["offsets_past_2_31"] is False   # 40 * 2 * 8^2 is far below 2^31
+
+
 def test_launch_grid_keeps_batch_and_heads_on_axis_0():
     """CUDA allows 2^31 - 1 programs on grid axis 0 but 65,535 on axes 1 and 2: B * H goes on
     axis 0, the blocks of positions (T / 16 at most) on axis 1. Meta tensors: nothing runs."""
@@ -298,6 +307,7 @@ def test_bench_triton_gpu_smoke():
     assert kinds[0] == "setup" and kinds[-1] == "done" and {"check", "op", "model", "train"} <= set(kinds)
     assert not [row for row in rows if "error" in row]
     assert all(row["ok"] for row in rows if row["kind"] == "check")
+    assert [row["offsets_past_2_31"] for row in rows if "offsets_past_2_31" in row] == [False]   # the GPU's check, small
     assert all("BLOCK" in config for row in rows if row["kind"] == "check" for config in row["configs"].values())
     ops = [row for row in rows if row["kind"] == "op"]
     impls = {"read_m", "torch", "triton"} | ({"torch_compiled"} if DEVICE == "cpu" else set())
