@@ -19,9 +19,9 @@ elementwise product, which torch.compile can fuse into the sum over layers of a 
 Constraints (damcha_attention raises ValueError outside them): 1 <= dh <= 128, a power of two or
 not (the kernels pad the feature axis to DH, the next power of two >= 16, as tl.dot needs K >= 16);
 any T; x, m and v of one dtype, float32, bfloat16 or float16 (under torch.autocast they are cast
-to its dtype); CUDA tensors, or CPU float32 or float16 tensors under Triton's interpreter, which runs the
-same kernels in Python. The interpreter is chosen by TRITON_INTERPRET=1 in the environment when
-this module is imported (tests/test_triton.py sets it itself when there is no GPU):
+to its dtype); CUDA tensors, or CPU float32 or float16 tensors under Triton's interpreter, which
+runs the same kernels in Python. The interpreter is chosen by TRITON_INTERPRET=1 in the environment
+when this module is imported (tests/test_triton.py sets it itself when there is no GPU):
     python -m pytest -q tests/test_triton.py         # the checks: interpreter on a CPU, or the GPU
     python -m pytest -q tests/test_sm90_compile.py   # every kernel compiled for sm_90, no GPU needed
     python bench_triton_gpu.py                       # correctness, speed and memory on a GPU

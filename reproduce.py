@@ -213,7 +213,8 @@ def read_json(path):
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        die(f"{path} is not readable JSON ({e}); restore or delete it (a deleted eval JSON: the run is evaluated again)")
+        die(f"{path} is not readable JSON ({e}); restore or delete it "
+            "(a deleted eval JSON: the run is evaluated again)")
 
 
 def skip_finished(run, eval_path, planned):
@@ -283,7 +284,8 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
         returncode = run_to_the_end(cmd)
         if returncode:
             if not (may_diverge and returncode == DIVERGED):
-                die(f"training {run} failed (its output above says why); once that is fixed, the same command resumes it")
+                die(f"training {run} failed (its output above says why); "
+                    "once that is fixed, the same command resumes it")
             result = dict(failed=True, val_bpc=float('inf')) | (extra or {})
             with atomic_write(os.path.join(results, run + '.eval.json')) as f:
                 f.write((json.dumps(result, indent=2) + '\n').encode())
@@ -439,7 +441,8 @@ def chosen_rates(root):
     path = os.path.join(root, 'lr', 'summary.json')
     if not os.path.exists(path):
         die(f"{path} does not exist: run the learning-rate sweep first (--regime=lr)")
-    rates = read_json(path).get('chosen_lr')
+    summary = read_json(path)
+    rates = summary.get('chosen_lr') if isinstance(summary, dict) else None
     if not (isinstance(rates, dict) and all(type(r) in (int, float) and r > 0 for r in rates.values())):
         die(f"{path} is damaged: its chosen_lr should map variants to learning rates; rerun --regime=lr to rewrite it")
     return rates

@@ -384,7 +384,8 @@ def log_losses(run, bar):
                                                    in zip(run.pending, losses.tolist())])
         mfu = ''   # against an H100 / H200's peak: meaningless elsewhere
         if run.device.startswith('cuda'):
-            mfu = f", mfu {run.raw_model.estimate_mfu(run.cfg['batch_size'] * run.accum, dt, getattr(torch, run.dtype)):.2%}"
+            rows = run.cfg['batch_size'] * run.accum   # this process's, in dt
+            mfu = f", mfu {run.raw_model.estimate_mfu(rows, dt, getattr(torch, run.dtype)):.2%}"
         bar.write(f"iter {run.iter_num}: loss {losses.mean().item():.4f}, lr {run.lr:.2e}, "
                   f"{dt * 1000:.1f} ms/iter, {run.tokens_per_iter / dt:,.0f} tokens/s{mfu}")
     run.pending = []
