@@ -537,10 +537,10 @@ def train(cfg, given):
 def train_run(run):
     cfg = run.cfg
     load_data(run)   # first: a missing dataset or a bad prompt is then the only line printed
+    hold(run)        # and so is a refused out_dir
     if run.master:   # with vocab_size as the dataset gave it
         print('config:\n' + textwrap.indent(textwrap.fill(
             ' '.join(f'{k}={v!r}' for k, v in cfg.items()), 100, break_long_words=False), '  '))
-    hold(run)
     build(run)
     if run.master:
         start_logs(run)

@@ -239,8 +239,12 @@ def test_ctrl_c_inside_a_save_stops_as_ctrl_c_does(tmp_path, data_dir, monkeypat
 # ---------------------------------------------------------------------------------------------
 # Settings that pass the type check but not the library underneath: one line
 
-def test_settings_are_checked_where_they_are_parsed(tmp_path):
+def test_settings_are_checked_where_they_are_parsed(tmp_path, data_dir):
     one_line_error(cli('--beta1=2', f'--out_dir={tmp_path / "never"}'), 'beta1=2.0 must be at least 0 and below 1')
+    (tmp_path / 'afile').write_text('')
+    refused = cli(*TINY, f'--data_dir={data_dir}', f"--out_dir={tmp_path / 'afile'}")
+    one_line_error(refused, 'is a file, not a folder')
+    assert 'config:' not in refused.stdout   # refused before the run prints its settings
     one_line_error(cli('--mode=plot', f'--out_dir={tmp_path}', '--plot_file=bpc.xyz', script='eval_char.py'),
                    "plot_file='bpc.xyz': end it in a format matplotlib writes: ")
     assert 'beta2=1.0 must be at least 0 and below 1' in fails('--beta2=1')
