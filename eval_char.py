@@ -3,9 +3,9 @@ eval_char.py: evaluate, sample from and plot the runs that train_char.py trained
 
 In the manner of nanoGPT's sample.py: it reads out_dir/ckpt.pt and keeps the run's saved settings
 (its data, model, device, precision, batch size and seed) except those you pass, so `--blocks=diag`
-ablates a trained model at inference (a model trained with --gen_out=full); compile and the sampling
-settings are this script's own. Settings: the defaults below, then config files and --key=value flags, read by the
-configurator that every script uses.
+ablates a trained model at inference (a model trained with --gen_out=full); compile and the
+sampling settings are this script's own. Settings: the defaults below, then config files and
+--key=value flags, read by the configurator that every script uses.
 
     python eval_char.py --out_dir=out-shakespeare                    # bpc of the whole val split (and test), as JSON
     python eval_char.py --out_dir=out-enwik8-damcha --stride=256     # overlapping windows: more context per token
