@@ -4,7 +4,8 @@ tests/test_sm90_compile.py: every Triton kernel of damcha_triton.py compiled for
 
 Run: python -m pytest -q -s tests/test_sm90_compile.py        (-s prints the table)
      DAMCHA_SM90_FULL=1 python -m pytest -q -s tests/test_sm90_compile.py    the full matrix
-     python tests/test_sm90_compile.py [--full]                 the table alone, one JSON line a row
+     python tests/test_sm90_compile.py [--full] [--part=K/N]    the table alone (its K-th of N parts),
+                                                                one JSON line a row
 
 How: Triton compiles for whatever target its active driver names. A stand-in driver whose target is
 GPUTarget("cuda", 90, 32) makes kernel.warmup(...) run the whole pipeline (Triton IR, PTX, and
@@ -20,7 +21,8 @@ compiles to the same code as bfloat16 bar the conversions; float32 may spill in 
 but at dh = 64 every kernel must have one config that does not). DAMCHA_SM90_FULL=1 adds float16
 and float32 at every dh. The compiles run in a child process: pytest's process may already have
 chosen Triton's interpreter (tests/test_triton.py does), and the stand-in driver must not leak into
-other tests. Skipped only when Triton's ptxas or cuobjdump is missing.
+other tests; two children, each compiling every other (dtype, dh) pair, use both cores of a CI
+machine. Skipped only when Triton's ptxas or cuobjdump is missing.
 """
 import json
 import os
@@ -44,8 +46,9 @@ def matrix(full):
     return [("bfloat16", dh) for dh in DHS] + [("float16", 64), ("float32", 64)]
 
 
-def compile_rows(full):
-    """Compile every kernel launch of the op for sm_90; yield one dict per compiled kernel."""
+def compile_rows(full, part=0, parts=1):
+    """Compile every kernel launch of the op for sm_90, for the part-th of every `parts` (dtype, dh)
+    pairs; yield one dict per compiled kernel."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -88,7 +91,7 @@ def compile_rows(full):
             out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
         return {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out)}
 
-    for dtype_name, dh in matrix(full):
+    for dtype_name, dh in matrix(full)[part::parts]:
         dtype = getattr(torch, dtype_name)
         for metric in ("per_token", "static"):
             meta = dict(device="meta", dtype=dtype)
@@ -149,10 +152,14 @@ def test_every_kernel_compiles_for_sm90_and_fits_the_registers(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path)                     # compile from scratch, every time
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")              # Triton 3.9's default, without its warning
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, __file__] + (["--full"] if full else []), env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    children = [subprocess.Popen([sys.executable, __file__, f"--part={k}/2"] + (["--full"] if full else []), env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(2)]
+    rows = []
+    for child in children:
+        out, err = child.communicate(timeout=900)
+        assert child.returncode == 0, err[-3000:]
+        rows += [json.loads(line) for line in out.splitlines()]
+    rows.sort(key=lambda r: matrix(full).index((r["dtype"], r["dh"])))   # the table in the matrix's order
     print(f"\n{table(rows)}\n{len(rows)} kernels compiled for sm_90 in {time.perf_counter() - start:.0f} s")
     want = {(dtype, dh) for dtype, dh in matrix(full)}
     assert {(r["dtype"], r["dh"]) for r in rows} == want
@@ -179,5 +186,6 @@ def test_every_kernel_compiles_for_sm90_and_fits_the_registers(tmp_path):
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(HERE))
-    for row in compile_rows("--full" in sys.argv[1:]):
+    part, parts = next((a.removeprefix("--part=") for a in sys.argv[1:] if a.startswith("--part=")), "0/1").split("/")
+    for row in compile_rows("--full" in sys.argv[1:], int(part), int(parts)):
         print(json.dumps(row), flush=True)
