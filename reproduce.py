@@ -33,9 +33,10 @@ split, and of the test split where the dataset has one), summary.json and summar
 run named by --snapshot (default damcha-seed1) its weights in float16 at 0, 2.5, 10, 30 and 100% of
 training, in snapshots/<run>/snapshot-<iter>.pt (train_char --snapshot_iters). Checkpoints
 go to --out_root (default out-reproduce/<dataset>/<variant>-seed<k>/). A run whose eval JSON
-exists is skipped, so an interrupted sweep continues where it stopped (one that ran with other
-iterations or context than asked now is refused); a run whose checkpoint exists but is not yet
-evaluated resumes from it. The train_char settings it decides (seed, out_dir, init_from, mode,
+exists is skipped, so an interrupted sweep continues where it stopped; a finished run that its
+eval JSON says ran with other iterations, context or parameter count than asked now (in the
+study, also another rate or seed) is refused, not summarized beside these settings. A run whose
+checkpoint exists but is not yet evaluated resumes from it. The train_char settings it decides (seed, out_dir, init_from, mode,
 snapshot_iters, always_save_checkpoint; in the study, learning_rate and min_lr) are refused as flags.
 
 The 2x2 study (issue 15, --study=2x2): what in DAMCHA helps or hurts, at MHA's parameter count.
@@ -217,17 +218,23 @@ def read_json(path):
             "(a deleted eval JSON: the run is evaluated again)")
 
 
-def skip_finished(run, eval_path, planned):
-    """Whether run is finished (its eval JSON exists), and then that it ran as planned (the
-    settings in `planned` that its eval JSON records): its bpc goes into a summary beside them.
-    A diverged run (the LR sweep) records no iteration."""
-    if not os.path.exists(eval_path):
-        return False
+def ran_as_planned(run, eval_path, planned):
+    """A finished run's eval JSON, refused unless the run ran as planned now (the settings in
+    `planned` that its eval JSON records; older ones record fewer, a diverged run no iteration):
+    its bpc goes into a summary beside these settings."""
     result = read_json(eval_path)
     for key, want in planned.items():
         if key in result and result[key] != want:
             die(f"{eval_path}: {run} ran with {key}={result[key]}, not {want} as asked now; "
                 "give its settings, or another --results and --out_root")
+    return result
+
+
+def skip_finished(run, eval_path, planned):
+    """Whether run is finished (its eval JSON exists, and it ran as planned)."""
+    if not os.path.exists(eval_path):
+        return False
+    ran_as_planned(run, eval_path, planned)
     print(f"skip {run}: {eval_path} exists", flush=True)
     return True
 
@@ -314,8 +321,8 @@ def summary_rows(variants, runs, params, typed, opts, results):
         evals = []
         for seed in range(1, opts['seeds'] + 1):
             path = os.path.join(results, f'{name}-seed{seed}.eval.json')
-            if os.path.exists(path):
-                evals.append(read_json(path))
+            if os.path.exists(path):   # also another process's variant: it joins these settings' summary
+                evals.append(ran_as_planned(f'{name}-seed{seed}', path, sweep_planned(name, typed, params)))
         rel = params[name] / params['mha'] - 1
         files = config_files(opts['dataset'], VARIANTS[name])
         row = dict(variant=name, params=params[name], rel_params_vs_mha=rel, within_5pct=abs(rel) <= 0.05,
@@ -579,7 +586,8 @@ def study(opts, passthrough):
     if regime == 'lr':
         dataset = training_split_file(out_root, passthrough.get('data_dir', ''))
         vocab_size = len(load_dataset(opts['dataset'], passthrough.get('data_dir', ''))[1])
-        jobs = [(f'{name}-lr{lr:g}', name, dict(learning_rate=lr, min_lr=lr / 10, seed=1)) for lr in grid for name in variants]
+        jobs_of = lambda names: [(f'{n}-lr{lr:g}', n, dict(learning_rate=lr, min_lr=lr / 10, seed=1))
+                                 for lr in grid for n in names]
         # another variant joins the summary with every rate of the grid done, which keeps its chosen rate
         complete = lambda v: len(finished(results, [f'{v}-lr{lr:g}' for lr in grid])) == len(grid)
     else:
@@ -588,26 +596,31 @@ def study(opts, passthrough):
         missing = [v for v in variants if v not in rates]
         if missing:
             die(f"the LR sweep has chosen no rate yet for {', '.join(missing)}: finish --regime=lr first")
-        jobs = [(f'{name}-seed{s}', name, dict(learning_rate=rates[name], min_lr=rates[name] / 10, seed=s))
-                for s in seeds for name in variants]
+        jobs_of = lambda names: [(f'{n}-seed{s}', n, dict(learning_rate=rates[n], min_lr=rates[n] / 10, seed=s))
+                                 for s in seeds for n in names]
         # another variant joins the summary with a chosen rate and a finished seed
         complete = lambda v: v in rates and finished(results, [f'{v}-seed{s}' for s in seeds])
     runs, params, cfg = study_plan(opts, passthrough, variants, dataset, vocab_size)
+    # what an eval JSON records of its run's settings (params: since this script records it)
+    planned = lambda name, extra: dict(iter=cfg['max_iters'], block_size=cfg['block_size'], params=params[name], **extra)
     os.makedirs(results, exist_ok=True)
-    for run, name, extra in jobs:
+    for run, name, extra in jobs_of(variants):
         settings = runs[name] | extra
-        if skip_finished(run, os.path.join(results, run + '.eval.json'),
-                         dict(iter=cfg['max_iters'], block_size=cfg['block_size'], **extra)):
+        if skip_finished(run, os.path.join(results, run + '.eval.json'), planned(name, extra)):
             continue
         t0 = time.time()
         blocks = ('diag', 'offdiag') if regime != 'lr' and settings.get('gen_out') == 'full' else ()
         result = train_and_evaluate(run, os.path.join(out_root, run), (), settings, cfg['max_iters'],
                                     opts, results, f'{params[name]:,} parameters', blocks,
-                                    dict(commit=commit, variant=name, **extra), may_diverge=regime == 'lr')
+                                    dict(commit=commit, variant=name, params=params[name], **extra),
+                                    may_diverge=regime == 'lr')
         print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}", flush=True)
     summarized = [v for v in STUDY if v in variants or complete(v)]   # looked up now, after training
     if summarized != variants:
         runs, params, _ = study_plan(opts, passthrough, summarized, dataset, vocab_size)
+    for run, name, extra in jobs_of(summarized):   # another process's runs join these settings' summary
+        if os.path.exists(os.path.join(results, run + '.eval.json')):
+            ran_as_planned(run, os.path.join(results, run + '.eval.json'), planned(name, extra))
     if regime == 'lr':
         lr_summary(summarized, grid, params, results, commit)
     else:
@@ -636,6 +649,13 @@ def finished(results, runs):
     return [run for run in runs if os.path.exists(os.path.join(results, run + '.eval.json'))]
 
 
+def sweep_planned(name, typed, params):
+    """What a sweep run's eval JSON records of its settings, as planned now: its iterations and
+    context (eval_char.py's), and its parameter count (recorded by this script; the committed runs
+    predate it), which any other model setting changes."""
+    return dict(iter=typed[name]['max_iters'], block_size=typed[name]['block_size'], params=params[name])
+
+
 def sweep(opts, passthrough):
     """The character-level comparison: every variant for --seeds seeds, then the summary."""
     dataset, variants = opts['dataset'], [v for v in opts['variants'].split(',') if v]
@@ -646,13 +666,12 @@ def sweep(opts, passthrough):
     for seed in range(1, opts['seeds'] + 1):
         for name in variants:
             run = f'{name}-seed{seed}'
-            if skip_finished(run, os.path.join(results, run + '.eval.json'),
-                             dict(iter=typed[name]['max_iters'], block_size=typed[name]['block_size'])):
+            if skip_finished(run, os.path.join(results, run + '.eval.json'), sweep_planned(name, typed, params)):
                 continue
             t0 = time.time()
             result = train_and_evaluate(run, os.path.join(out_root, run), config_files(dataset, VARIANTS[name]),
                                         runs[name] | dict(seed=seed), typed[name]['max_iters'], opts, results,
-                                        f'{params[name]:,} parameters')
+                                        f'{params[name]:,} parameters', extra=dict(params=params[name]))
             print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}"
                   + (f", test bpc {result['test_bpc']:.4f}" if 'test_bpc' in result else ''), flush=True)
     seeds = range(1, opts['seeds'] + 1)

@@ -247,21 +247,28 @@ def resolve(cfg, given):
     if cfg['init_from'] == 'resume':
         if os.environ.get('RANK', '0') == '0' and os.path.isdir(cfg['out_dir']):
             lock_out_dir(cfg['out_dir'])
-        ckpt = load_checkpoint(cfg['out_dir'])
-        cfg, model_args = from_checkpoint(ckpt, cfg, given)
-        if ckpt['iter_num'] >= cfg['max_iters']:
-            die(f"the checkpoint is at iter {ckpt['iter_num']} and max_iters={cfg['max_iters']}: "
-                "raise max_iters to train further")
-        if 'snapshot_iters' in given:   # asked for now: none before the resume (those saved earlier are kept)
-            parse_iters(cfg['snapshot_iters'], ckpt['iter_num'], cfg['max_iters'])
-        else:
-            parse_iters(cfg['snapshot_iters'], 0, cfg['max_iters'], "the checkpoint's")
+        cfg, model_args, ckpt = resumed(cfg, given)
     elif os.path.exists(os.path.join(cfg['out_dir'], 'ckpt.pt')):
         die(f"{os.path.join(cfg['out_dir'], 'ckpt.pt')} exists: continue it with --init_from=resume, "
             "or choose another --out_dir")
     else:
         model_args = {k: cfg[k] for k in MODEL_KEYS}
         model_config(model_args | {'vocab_size': model_args['vocab_size'] or 1})   # fail before downloading
+    return cfg, model_args, ckpt
+
+
+def resumed(cfg, given):
+    """A resumed run's (settings, model fields, checkpoint): the checkpoint's settings overridden
+    by those given, checked as the run needs them."""
+    ckpt = load_checkpoint(cfg['out_dir'])
+    cfg, model_args = from_checkpoint(ckpt, cfg, given)
+    if ckpt['iter_num'] >= cfg['max_iters']:
+        die(f"the checkpoint is at iter {ckpt['iter_num']} and max_iters={cfg['max_iters']}: "
+            "raise max_iters to train further")
+    if 'snapshot_iters' in given:   # asked for now: none before the resume (those saved earlier are kept)
+        parse_iters(cfg['snapshot_iters'], ckpt['iter_num'], cfg['max_iters'])
+    else:
+        parse_iters(cfg['snapshot_iters'], 0, cfg['max_iters'], "the checkpoint's")
     return cfg, model_args, ckpt
 
 
@@ -569,10 +576,11 @@ def train_run(run):
 
 def show_config(cfg, given):
     """The settings a run of these arguments starts from, as JSON (reproduce.py reads them): for
-    a resumed run, its checkpoint's overridden by those given. A model it could not build is
-    refused, as the run would refuse it."""
+    a resumed run, its checkpoint's overridden by those given. What the run would refuse (a model
+    it could not build, or whose weights no longer fit; a resume with nothing to train) is refused."""
     if cfg['init_from'] == 'resume':
-        cfg, _ = from_checkpoint(load_checkpoint(cfg['out_dir']), cfg, given)
+        cfg, model_args, ckpt = resumed(cfg, given)
+        build_model(model_args, ckpt)
     model_config({k: cfg[k] for k in MODEL_KEYS} | {'vocab_size': cfg['vocab_size'] or 1})
     print(json.dumps(cfg, indent=2))
 

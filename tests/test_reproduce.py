@@ -164,7 +164,11 @@ def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys):
     lr_summary.write_text(json.dumps(lr))
     with pytest.raises(SystemExit, match='ran with block_size=64, not 32'):
         reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', '--block_size=32', *study])
-    (tmp_path / 'results' / 'charlevel' / 'shakespeare' / 'damcha-seed1.eval.json').write_text('')   # another variant's
+    damcha = tmp_path / 'results' / 'charlevel' / 'shakespeare' / 'damcha-seed1.eval.json'   # another variant's
+    damcha.write_text(json.dumps(json.loads(damcha.read_text()) | {'params': 123}))   # as a run of another model records
+    with pytest.raises(SystemExit, match='damcha-seed1 ran with params=123, not '):
+        reproduce.main(['--device=cpu', '--variants=mha', charlevel, f"--out_root={tmp_path / 'out'}"])
+    damcha.write_text('')
     with pytest.raises(SystemExit, match='damcha-seed1.eval.json is not readable JSON'):
         reproduce.main(['--device=cpu', '--variants=mha', charlevel, f"--out_root={tmp_path / 'out'}"])
     (tmp_path / 'results' / 'study2x2' / 'i' / 'mha-seed1.eval.json').write_text('{"iter": 18')   # a damaged one

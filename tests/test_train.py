@@ -379,9 +379,12 @@ def test_command_line_train_resume_sample(tmp_path, data_dir, capsys):
     assert len(rates) == 90 and rates[0] < rates[10] > rates[89]   # warm-up, then decay
     assert [e['lr'] for e in tc.read_jsonl(out / 'log.jsonl')][:3] == [rates[0], rates[30], rates[60]]
 
-    tc.main(['--init_from=resume', f'--out_dir={out}', '--mode=config'])   # the run a resume would be
+    tc.main(['--init_from=resume', f'--out_dir={out}', '--mode=config', '--max_iters=120'])   # the run a resume would be
     shown = json.loads(capsys.readouterr().out)
-    assert (shown['n_embd'], shown['block_size'], shown['max_iters'], shown['learning_rate']) == (32, 16, 90, 1e-2)
+    assert (shown['n_embd'], shown['block_size'], shown['max_iters'], shown['learning_rate']) == (32, 16, 120, 1e-2)
+    for more, words in (([], 'raise max_iters'), (['--max_iters=120', '--n_embd=64'], 'do not fit the model with n_embd=64')):
+        with pytest.raises(SystemExit, match=words):   # refused, as the resume itself would be
+            tc.main(['--init_from=resume', f'--out_dir={out}', '--mode=config', *more])
 
     result = cli('--mode=sample', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=40', '--num_samples=2',
                  script='eval_char.py')
