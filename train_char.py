@@ -570,7 +570,8 @@ def train_run(run):
             bar.update()
     if run.master:
         finish(run)
-    if run.ddp:
+    if run.ddp:   # all processes tear the group down together: one that leaves while rank 0 is still
+        dist.barrier()   # saving and sampling was seen (once, under gloo) to abort at its exit
         dist.destroy_process_group()
 
 
