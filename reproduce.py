@@ -36,8 +36,9 @@ go to --out_root (default out-reproduce/<dataset>/<variant>-seed<k>/). A run who
 exists is skipped, so an interrupted sweep continues where it stopped; a finished run that its
 eval JSON says ran with other iterations, context or parameter count than asked now (in the
 study, also another rate or seed) is refused, not summarized beside these settings. A run whose
-checkpoint exists but is not yet evaluated resumes from it. The train_char settings it decides (seed, out_dir, init_from, mode,
-snapshot_iters, always_save_checkpoint; in the study, learning_rate and min_lr) are refused as flags.
+checkpoint exists but is not yet evaluated resumes from it. The train_char settings it decides
+(seed, out_dir, init_from, mode, snapshot_iters, always_save_checkpoint; in the study,
+learning_rate and min_lr) are refused as flags.
 
 The 2x2 study (issue 15, --study=2x2): what in DAMCHA helps or hurts, at MHA's parameter count.
 Variants (STUDY below): mha; damcha (own slice, adaptive: the paper's model); static (own slice,
@@ -602,7 +603,8 @@ def study(opts, passthrough):
         complete = lambda v: v in rates and finished(results, [f'{v}-seed{s}' for s in seeds])
     runs, params, cfg = study_plan(opts, passthrough, variants, dataset, vocab_size)
     # what an eval JSON records of its run's settings (params: since this script records it)
-    planned = lambda name, extra: dict(iter=cfg['max_iters'], block_size=cfg['block_size'], params=params[name], **extra)
+    planned = lambda name, extra: dict(iter=cfg['max_iters'], block_size=cfg['block_size'],
+                                       params=params[name], **extra)
     os.makedirs(results, exist_ok=True)
     for run, name, extra in jobs_of(variants):
         settings = runs[name] | extra
@@ -618,7 +620,8 @@ def study(opts, passthrough):
     summarized = [v for v in STUDY if v in variants or complete(v)]   # looked up now, after training
     if summarized != variants:
         runs, params, _ = study_plan(opts, passthrough, summarized, dataset, vocab_size)
-    for run, name, extra in jobs_of(summarized):   # another process's runs join these settings' summary
+    others = [v for v in summarized if v not in variants]   # another process's: they join this summary
+    for run, name, extra in jobs_of(others):
         if os.path.exists(os.path.join(results, run + '.eval.json')):
             ran_as_planned(run, os.path.join(results, run + '.eval.json'), planned(name, extra))
     if regime == 'lr':

@@ -164,6 +164,10 @@ def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys):
     lr_summary.write_text(json.dumps(lr))
     with pytest.raises(SystemExit, match='ran with block_size=64, not 32'):
         reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', '--block_size=32', *study])
+    other = tmp_path / 'results' / 'study2x2' / 'i' / 'damcha-seed1.eval.json'   # a variant this process does not run
+    other.write_text(json.dumps(json.loads(other.read_text()) | {'params': 123}))
+    with pytest.raises(SystemExit, match='damcha-seed1 ran with params=123, not '):
+        reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', '--variants=mha', *study])
     damcha = tmp_path / 'results' / 'charlevel' / 'shakespeare' / 'damcha-seed1.eval.json'   # another variant's
     damcha.write_text(json.dumps(json.loads(damcha.read_text()) | {'params': 123}))   # as a run of another model records
     with pytest.raises(SystemExit, match='damcha-seed1 ran with params=123, not '):
