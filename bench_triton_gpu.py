@@ -190,6 +190,12 @@ def last_rows_errors(op, B, H, T, dh, R, dtype):
     return {"o": rel_err(o[:, :, -R:], o_last), "dx": rel_err(dx, xd.grad), "dm": rel_err(dm[:, -R:], md.grad)}
 
 
+def last_rows_ok(err):
+    """last_rows_errors' bar: loose for 16-bit inputs, and far below the gross errors an offset
+    that overflows gives."""
+    return err["o"] < 2e-2 and err["dx"] < 5e-2 and err["dm"] < 5e-2
+
+
 def check_large_offsets(op, budget, shape=(1, 24, 8192, 128, 16), dtype=torch.bfloat16):
     """last_rows_errors at T * H * dh^2 > 2^31 (the smoke run: a small shape, in float32)."""
     B, H, T, dh, R = shape
@@ -198,7 +204,7 @@ def check_large_offsets(op, budget, shape=(1, 24, 8192, 128, 16), dtype=torch.bf
     if budget.over():
         return emit(**row, skipped="time budget")
     err = last_rows_errors(op, B, H, T, dh, R, dtype)
-    emit(**row, ok=err["o"] < 2e-2 and err["dx"] < 5e-2 and err["dm"] < 5e-2, err_triton=err, configs=tuned_configs())
+    emit(**row, ok=last_rows_ok(err), err_triton=err, configs=tuned_configs())
 
 
 def tuned_configs():
