@@ -42,7 +42,7 @@ from checkpoint import (DIVERGED, HELD, append_jsonl, autocast_for, build_model,
                         load_checkpoint, lock_out_dir, model_config, pick_device, read_jsonl, why)
 from configurator import configure, die
 from damcha_torch import GPT, GPTConfig, get_lr
-from data.prepare import atomic_write, check_lengths, decode, draw_rows, encode, get_batch, load_dataset
+from data.prepare import atomic_write, check_lengths, corpora, decode, draw_rows, encode, get_batch, load_dataset
 
 # ---------------------------------------------------------------------------------------------
 # Defaults: a small DAMCHA that learns Shakespeare in about two minutes on two idle CPU cores.
@@ -578,11 +578,13 @@ def train_run(run):
 def show_config(cfg, given):
     """The settings a run of these arguments starts from, as JSON (reproduce.py reads them): for
     a resumed run, its checkpoint's overridden by those given. What the run would refuse (a model
-    it could not build, or whose weights no longer fit; a resume with nothing to train) is refused."""
+    it could not build, or whose weights no longer fit; a resume with nothing to train; a dataset
+    that is neither named nor a file) is refused."""
     if cfg['init_from'] == 'resume':
         cfg, model_args, ckpt = resumed(cfg, given)
         build_model(model_args, ckpt)
     model_config({k: cfg[k] for k in MODEL_KEYS} | {'vocab_size': cfg['vocab_size'] or 1})
+    corpora(cfg['dataset'], cfg['data_dir'])
     print(json.dumps(cfg, indent=2))
 
 

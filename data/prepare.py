@@ -204,12 +204,28 @@ def prepare(name, data_dir=''):
         return prepare_download(name, data_dir)
     if name == 'shakespeare':
         return prepare_text(BUNDLED, os.path.join(data_dir, 'shakespeare'), (90, 10))
-    if not os.path.isfile(name):
-        die(f"dataset {name!r} is neither shakespeare, enwik8, text8, mix nor an existing file")
-    stem = os.path.splitext(os.path.basename(name))[0]
+    return prepare_text(name, text_file_dir(name, data_dir), (90, 5, 5))
+
+
+def text_file_dir(path, data_dir):
+    """data_dir/<the file's stem>/, where a dataset given as a text file is prepared; a missing
+    file, or a stem that names another dataset, is refused."""
+    if not os.path.isfile(path):
+        die(f"dataset {path!r} is neither shakespeare, enwik8, text8, mix nor an existing file")
+    stem = os.path.splitext(os.path.basename(path))[0]
     if stem in ('shakespeare', 'mix', *SOURCES):
-        die(f"{name} would be prepared into {data_dir}/{stem}/, which belongs to the {stem} dataset; rename it")
-    return prepare_text(name, os.path.join(data_dir, stem), (90, 5, 5))
+        die(f"{path} would be prepared into {data_dir}/{stem}/, which belongs to the {stem} dataset; rename it")
+    return os.path.join(data_dir, stem)
+
+
+def corpora(name, data_dir=''):
+    """The corpora a dataset stands for (mix: enwik8 and text8), each checked to be a named
+    dataset or a usable text file before anything is downloaded or prepared."""
+    names = MIX if name == 'mix' else (name,)
+    for n in names:
+        if n not in SOURCES and n != 'shakespeare':
+            text_file_dir(n, data_dir or HERE)
+    return names
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +235,7 @@ def load_dataset(name, data_dir='', vocab=None):
     """(components, vocabulary). A component is one corpus (mix has two): its name, its splits
     as memmaps and `lut`, its ids -> model ids (None when they are the same). The vocabulary, a
     list of byte values, is the union of the components' unless a checkpoint fixes it."""
-    names = MIX if name == 'mix' else (name,)
+    names = corpora(name, data_dir)
     metas = [prepare(n, data_dir) for n in names]
     if vocab is None:
         vocab = sorted(set().union(*(m['vocab'] for m in metas)))
@@ -344,7 +360,7 @@ def main(argv):
     if not names:
         die("name the datasets to prepare: shakespeare, enwik8, text8, mix or a text file")
     try:
-        expanded = [n for name in names for n in (MIX if name == 'mix' else (name,))]
+        expanded = [n for name in names for n in corpora(name, options['data_dir'])]   # all checked first
         for n in dict.fromkeys(expanded):   # each once: `enwik8 mix` prepares enwik8 once
             meta = prepare(n, options['data_dir'])
             print(f"{n}: {meta['dir']}: " + ', '.join(f'{s} {k:,}' for s, k in meta['splits'].items())

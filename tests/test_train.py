@@ -170,7 +170,8 @@ def test_command_line_errors_have_no_traceback(data_dir):
                         ([f'--data_dir={data_dir}', '--start=' + 'a' * 65], 'longer than the model'),
                         (['--n_embd=30', '--n_head=4'], 'divisible'), (['--n_head=0'], 'at least 1'),
                         (['--kernel=triton', '--device=cpu'], 'kernel=triton needs'),
-                        (['--n_embd=30', '--n_head=4', '--mode=config'], 'divisible')]:   # as the run would
+                        (['--n_embd=30', '--n_head=4', '--mode=config'], 'divisible'),   # as the run would
+                        (['--dataset=no/such/file.txt', '--mode=config'], 'neither')]:
         result = cli(*args, '--out_dir=/nonexistent/never-written')
         assert result.returncode != 0 and words in result.stderr, result.stderr
         assert result.stderr.strip().count('\n') == 0 and 'Traceback' not in result.stderr, result.stderr
@@ -235,9 +236,10 @@ def test_prepare_runs_as_a_script_from_anywhere(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and 'train 1,429,444, val 158,828 tokens' in result.stdout, result.stderr
     assert (tmp_path / 'shakespeare' / 'meta.json').exists()
-    result = subprocess.run([sys.executable, script, 'no/such.txt'], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, script, 'shakespeare', 'no/such.txt', f'--data_dir={tmp_path / "new"}'],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stderr.startswith('error: dataset') and result.stderr.count('\n') == 1
+    assert not (tmp_path / 'new').exists()   # every name is checked before the first is prepared
 
 
 def test_enwik8_text8_and_mix_from_archives(corpora, monkeypatch, capsys):
