@@ -167,7 +167,9 @@ def from_checkpoint(ckpt, cfg, given, keep=('mode', 'init_from', 'out_dir')):
     taken from a checkpoint); model fields too, as long as the weights still fit (say
     --blocks=diag to ablate a trained model). Returns (settings, model_args)."""
     saved = {k: v for k, v in ckpt['config'].items() if k in cfg and k not in given and k not in keep}
-    wrong = [k for k, v in saved.items() if type(v) is not type(cfg[k]) and not (type(cfg[k]) is float and type(v) is int)]
+    fields = {k: v for k, v in ckpt['model_args'].items() if k in cfg and k not in given}   # the model's own copy
+    wrong = sorted({k for k, v in [*saved.items(), *fields.items()]
+                    if type(v) is not type(cfg[k]) and not (type(cfg[k]) is float and type(v) is int)})
     if wrong:
         die(f"{os.path.join(cfg['out_dir'], 'ckpt.pt')} is damaged: its saved settings {', '.join(wrong)} "
             "are not of their setting's type")

@@ -341,6 +341,7 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
         damaged[f'vocab{k}'] = dict(ckpt, vocab=bad)
     damaged['setting'] = dict(ckpt, config=dict(ckpt['config'], learning_rate='x'))
     damaged['setting_bool'] = dict(ckpt, config=dict(ckpt['config'], warmup_iters=True))
+    damaged['setting_model'] = dict(ckpt, model_args=dict(ckpt['model_args'], n_layer='2'))
     for name, bad in damaged.items():
         (tmp_path / name).mkdir()
         torch.save(bad, tmp_path / name / 'ckpt.pt')
@@ -351,7 +352,7 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
         elif name.startswith('vocab'):
             assert 'is damaged: vocab should be a list of distinct byte values' in message, message
         elif name.startswith('setting'):
-            setting = 'learning_rate' if name == 'setting' else 'warmup_iters'
+            setting = dict(setting='learning_rate', setting_bool='warmup_iters', setting_model='n_layer')[name]
             assert f'is damaged: its saved settings {setting} are not' in message, message
         else:
             assert 'is damaged: ' + ('it holds weights or optimizer state that are not finite' if name in ('weight', 'moment')
