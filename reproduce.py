@@ -286,8 +286,9 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
     else:
         cmd = [sys.executable, TRAIN_CHAR, *(os.path.join(HERE, f) for f in files)]
         cmd += flags(settings | dict(out_dir=out_dir, init_from='scratch' if trained is None else 'resume'))
-        if run == opts['snapshot'] and trained is None:   # a resumed run keeps its checkpoint's list
-            cmd.append('--snapshot_iters=' + ','.join(str(round(f * max_iters)) for f in SNAPSHOT_AT))
+        if run == opts['snapshot']:   # of this max_iters, those still ahead (a resume has written the others)
+            ahead = [i for i in (round(f * max_iters) for f in SNAPSHOT_AT) if trained is None or i > trained]
+            cmd.append('--snapshot_iters=' + ','.join(map(str, ahead)))
         print(f"train {run} ({note}): {' '.join(cmd[1:])}", flush=True)
         returncode = run_to_the_end(cmd)
         if returncode:

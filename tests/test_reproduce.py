@@ -314,22 +314,25 @@ def test_only_a_diverged_run_is_recorded_as_diverged(tmp_path):
     assert json.loads((tmp_path / 'results' / 'hot.eval.json').read_text())['failed'] is True
 
 
-def test_the_snapshot_run_resumes_with_its_checkpoints_snapshots(tmp_path):
+def test_the_snapshot_run_resumes_with_the_snapshots_still_ahead(tmp_path):
     """An interrupted snapshot run (damcha-seed1 by default) resumes: its snapshots from before the
-    checkpoint were written by the first run, and the resume keeps the checkpoint's list rather
-    than asking again for iterations it has passed."""
+    checkpoint were written by the first run, and the resume asks only for those of this
+    max_iters still ahead, not for iterations it has passed, nor for the checkpoint's list, which
+    was planned for another max_iters (train_char.py refuses a list past max_iters)."""
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     tiny = dict(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=4, eval_interval=3, eval_iters=1,
                 device='cpu', data_dir=str(tmp_path / 'data'), gen_width=8, lr_decay_iters=6, max_new_tokens=2)
     out = tmp_path / 'out'
     subprocess.run([sys.executable, 'train_char.py', *reproduce.flags(tiny), f'--out_dir={out}', '--max_iters=3',
                     '--snapshot_iters=0,1'], cwd=ROOT, env=env, check=True, capture_output=True)
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)   # as if planned for 10 iterations, stopped at 3
+    torch.save(dict(ckpt, config=dict(ckpt['config'], max_iters=10, snapshot_iters='0,1,10')), out / 'ckpt.pt')
     (tmp_path / 'results').mkdir()
     result = reproduce.train_and_evaluate('damcha-seed1', str(out), (), tiny | dict(max_iters=6), 6,
                                           dict(snapshot='damcha-seed1', device='cpu'), str(tmp_path / 'results'), 'resumed')
     assert result['iter'] == 6 and math.isfinite(result['val_bpc'])
     assert sorted(p.name for p in (tmp_path / 'results' / 'snapshots' / 'damcha-seed1').iterdir()) == [
-        'snapshot-0.pt', 'snapshot-1.pt']
+        'snapshot-0.pt', 'snapshot-1.pt', 'snapshot-6.pt']
 
 
 def test_ctrl_c_waits_for_the_training_run_to_stop(tmp_path):
