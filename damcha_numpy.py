@@ -16,7 +16,7 @@ Comments give tensor shapes, e.g. (B, T, H, dh, dh), and the paper's equation nu
 
 Run it:
     python damcha_numpy.py                          # train a tiny DAMCHA on the bundled corpus
-    python damcha_numpy.py --attn=mha --iters=500   # any GPTConfig field or loop setting (--help)
+    python damcha_numpy.py --attn=mha --iters=500   # model and loop settings (--help)
 Check the backward pass against central finite differences (float64):
     python -c "import damcha_numpy as d; print(d.gradcheck(d.GPTConfig(vocab_size=7, \\
         block_size=6, n_layer=2, n_head=2, n_embd=8, gen_width=5)))"
@@ -187,6 +187,7 @@ def generator_forward(c, layers):
 
 
 def generator_backward(dout, caches):
+    # Eq. 3, backward: through the P layers in reverse -> (dc (B, T, D), [(dweight, dbias)] * P)
     layer_grads = []
     for cache_lin, cache_gelu in reversed(caches):
         if cache_gelu is not None:
@@ -218,7 +219,7 @@ def rowsum_forward(M):
 
 
 def rowsum_backward(dm, shape):
-    # every block M_ij of row i receives head i's gradient
+    # Eq. 4, backward: every block M_ij of row i receives head i's gradient, dM_ij = dm_i
     return np.broadcast_to(dm[..., None, :], shape).copy()
 
 
@@ -249,13 +250,13 @@ def metric_backward(dm, cache):
     """-> (du or None, grads of the generator or of the static metric)"""
     prefix, config, cache = cache
     if config.gen_out == "full":
-        dM = rowsum_backward(dm, cache["rowsum"])
+        dM = rowsum_backward(dm, cache["rowsum"])                # Eq. 4
         dg = block_mask_backward(dM, cache["mask"]).reshape(cache["g_shape"])
     else:
         dg = dm.reshape(cache["g_shape"])
     if not config.adaptive:
         return None, {prefix + "metric": dg}
-    dc, layer_grads = generator_backward(dg, cache["generator"])
+    dc, layer_grads = generator_backward(dg, cache["generator"])   # Eq. 3
     grads = {}
     for p, (dweight, dbias) in enumerate(layer_grads):
         _store_linear_grads(grads, f"{prefix}gen.{p}", dweight, dbias)
@@ -272,8 +273,9 @@ def metric_query_forward(x, m):
 
 
 def metric_query_backward(dq, cache):
+    # Eq. 5, backward (the query side): dx_t = dq_t m_t^T, dm_t = x_t^T dq_t, an outer product
     x, m = cache
-    dx = (dq[..., None, :] @ m.swapaxes(-1, -2))[..., 0, :]
+    dx = (dq[..., None, :] @ m.swapaxes(-1, -2))[..., 0, :]   # (B, T, H, dh)
     dm = x[..., :, None] * dq[..., None, :]                   # (B, T, H, dh, dh)
     if m.ndim == 3:                                           # a static metric served every (b, t)
         dm = dm.reshape(-1, *m.shape).sum(0)
@@ -288,6 +290,7 @@ def scores_forward(q, k):
 
 
 def scores_backward(dS, cache):
+    # Eq. 5, backward: dq = dS k / sqrt(dh), dk = dS^T q / sqrt(dh).  (B, H, T, dh) each
     q, k, scale = cache
     return (dS @ k) * scale, (dS.swapaxes(-1, -2) @ q) * scale
 
@@ -303,7 +306,8 @@ def causal_softmax_forward(S):
 
 
 def causal_softmax_backward(dA, A):
-    # masked entries have A = 0, so they receive no gradient
+    # Eq. 6, backward: dS = A * (dA - rowsum(dA * A)); masked entries have A = 0, so they
+    # receive no gradient.  (B, H, T, T)
     return A * (dA - (dA * A).sum(-1, keepdims=True))
 
 
@@ -313,6 +317,7 @@ def attn_values_forward(A, v):
 
 
 def attn_values_backward(dO, cache):
+    # Eq. 7, backward: dA = dO v^T (B, H, T, T), dv = A^T dO (B, H, T, dh)
     A, v = cache
     return dO @ v.swapaxes(-1, -2), A.swapaxes(-1, -2) @ dO
 
@@ -345,16 +350,16 @@ def attention_backward(dy, cache):
     """-> (du, dm or None, grads)"""
     prefix, config, cache = cache
     grads = {}
-    dO, *dproj = linear_backward(dy, cache["c_proj"])
+    dO, *dproj = linear_backward(dy, cache["c_proj"])         # Eq. 8, backward: (B, T, D)
     _store_linear_grads(grads, prefix + "c_proj", *dproj)
     B, T, D = dO.shape
     H = config.n_head
     dh = D // H
     from_heads = lambda a: a.transpose(0, 2, 1, 3).reshape(B, T, D)     # (B, H, T, dh) -> (B, T, D)
     dO = dO.reshape(B, T, H, dh).transpose(0, 2, 1, 3)
-    dA, dv = attn_values_backward(dO, cache["values"])
-    dS = causal_softmax_backward(dA, cache["softmax"])
-    dq, dk = scores_backward(dS, cache["scores"])
+    dA, dv = attn_values_backward(dO, cache["values"])        # Eq. 7
+    dS = causal_softmax_backward(dA, cache["softmax"])        # Eq. 6
+    dq, dk = scores_backward(dS, cache["scores"])             # Eq. 5
     if config.attn == "mha":
         dqkv = np.concatenate([from_heads(dq), from_heads(dk), from_heads(dv)], axis=-1)
         du, *dattn = linear_backward(dqkv, cache["c_attn"])
@@ -362,7 +367,7 @@ def attention_backward(dy, cache):
         return du, None, grads
     du, *dv_params = linear_backward(from_heads(dv), cache["c_v"])
     _store_linear_grads(grads, prefix + "c_v", *dv_params)
-    dx_query, dm = metric_query_backward(dq.transpose(0, 2, 1, 3), cache["query"])
+    dx_query, dm = metric_query_backward(dq.transpose(0, 2, 1, 3), cache["query"])   # Eq. 5, the query side
     # x_i is both the query's input and the key: its gradient has both parts
     du = du + (dx_query + dk.transpose(0, 2, 1, 3)).reshape(B, T, D)
     return du, dm, grads
@@ -399,12 +404,12 @@ def block_forward(params, config, l, x, m=None):
         owner = "" if config.share else prefix + "attn."
         m, cache_metric = metric_forward(params, owner, config, u)
     a, cache_attn = attention_forward(params, prefix + "attn.", config, u, m)
-    x = x + a
-    h, cache_ln2 = layernorm_forward(x, *_linear_params(params, prefix + "ln_2"))
-    h, cache_mlp = mlp_forward(params, prefix + "mlp.", h)
+    x = x + a                                                   # docs/model.md's h^(l)
+    u2, cache_ln2 = layernorm_forward(x, *_linear_params(params, prefix + "ln_2"))
+    y, cache_mlp = mlp_forward(params, prefix + "mlp.", u2)
     cache = dict(prefix=prefix, m=m, ln_1=cache_ln1, metric=cache_metric, attn=cache_attn,
                  ln_2=cache_ln2, mlp=cache_mlp)
-    return x + h, cache
+    return x + y, cache
 
 
 def block_backward(dx, cache, dm_shared=None):
@@ -613,7 +618,8 @@ def load_corpus(path):
 
 
 def get_batch(data, batch_size, block_size, rng):
-    ix = rng.integers(0, len(data) - block_size - 1, batch_size)
+    # every window of block_size + 1 tokens (inputs and their next tokens), the last one included
+    ix = rng.integers(0, len(data) - block_size, batch_size)
     x = np.stack([data[i:i + block_size] for i in ix]).astype(np.int64)
     y = np.stack([data[i + 1:i + 1 + block_size] for i in ix]).astype(np.int64)
     return x, y
@@ -638,8 +644,10 @@ def stop_if_not_finite(what, loss, it):
 
 
 def main(argv):
-    # every GPTConfig field but vocab_size, which the corpus decides, and the loop's settings
-    settings = {f.name: f.default for f in fields(GPTConfig) if f.name != "vocab_size"}
+    # the GPTConfig fields that NumPy varies (not vocab_size, which the corpus decides, nor those
+    # it has at their defaults only: no dropout, and the paper's model), and the loop's settings
+    fixed = ("vocab_size", "dropout", "attn_dropout", "qk", "metric_init", "mlp_hidden")
+    settings = {f.name: f.default for f in fields(GPTConfig) if f.name not in fixed}
     settings.update(iters=1500, batch_size=16, lr=1e-2, warmup=100, eval_every=250, seed=0, start="ROMEO:",
                     data=str(Path(__file__).parent / "data" / "shakespeare" / "input.txt"))
     settings, _ = configure(settings, argv, positive=("iters", "batch_size", "warmup", "eval_every", "lr"),
@@ -670,9 +678,9 @@ def main(argv):
                          f"{config.block_size}: it would not see the beginning")
     n = int(0.9 * len(data))
     train, val = data[:n], data[n:]
-    if len(val) < config.block_size + 2:
+    if len(val) < config.block_size + 1:
         raise SystemExit(f"--data={settings['data']}: its last 10% ({len(val)} characters) is shorter "
-                         f"than block_size + 2 ({config.block_size + 2}); use a longer file or a smaller block_size")
+                         f"than block_size + 1 ({config.block_size + 1}); use a longer file or a smaller block_size")
     rng = np.random.default_rng(settings["seed"])
     params = init_params(config, settings["seed"], dtype=np.float32)   # float32: twice as fast
     print(config)

@@ -142,8 +142,9 @@ class MetricGenerator(nn.ModuleList):
     def forward(self, c):
         # c (B, T, D) -> m (B, T, H, dh, dh)
         *hidden, last = self
+        h = c
         for layer in hidden:
-            c = F.gelu(layer(c), approximate="tanh")                 # (B, T, w)
+            h = F.gelu(layer(h), approximate="tanh")                 # (B, T, w)
         weight, bias = last.weight, last.bias
         H, D = self.config.n_head, self.config.n_embd
         dh = D // H
@@ -154,7 +155,7 @@ class MetricGenerator(nn.ModuleList):
             # the exact gradient back to every entry of the full weight.
             weight = rowsum(weight, self.config).reshape(H * dh * dh, -1)
             bias = None if bias is None else rowsum(bias, self.config).reshape(H * dh * dh)
-        return F.linear(c, weight, bias).unflatten(-1, (H, dh, dh))  # (B, T, H, dh, dh)
+        return F.linear(h, weight, bias).unflatten(-1, (H, dh, dh))  # (B, T, H, dh, dh)
 
 
 def add_metric(owner, config):
@@ -270,7 +271,7 @@ class CausalSelfAttention(nn.Module):
                 # Eqs. 5-7 in one kernel: each query q_i = x_i m_i is formed on chip from its tile of m,
                 # and the (B, H, T, T) scores never reach memory
                 y = damcha_attention(x.transpose(1, 2), m, v)                              # (B, H, T, dh)
-                return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, D)))
+                return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, D)))   # Eq. 8
             # Eq. 5: q_i = x_i m_i, a (1 x dh)(dh x dh) product per head and position, m (B, T, H, dh, dh),
             # or per head for a static m (H, dh, dh). Per-token m goes through MetricQuery (a batched
             # matmul: 10% faster for a whole CPU training step than the einsum it equals), for the
@@ -356,7 +357,8 @@ def init_weights(model, n_layer):
 
 def configure_optimizers(model, weight_decay, learning_rate, betas, device_type):
     """AdamW with weight decay for every tensor with >= 2 dims (weights, embeddings, static
-    metrics), none for biases and LayerNorm gains; fused on CUDA. Every training loop uses it."""
+    metrics), none for biases and LayerNorm gains; fused on CUDA. Every PyTorch training loop
+    here uses it."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -441,9 +443,9 @@ class GPT(nn.Module):
         (2 forward, 4 backward), counting the matmuls as nanoGPT does (PaLM, appendix B), plus
         the metric generator and the metric application q_i = x_i m_i (Eq. 5), or the baselines'
         head mixing. Attention is causal: a query at t meets t + 1 keys, T / 2 on average, so the
-        per-pair terms count half of the full T x T. gen_out="full" is counted as it runs,
-        folded: the generator's last layer costs w*H*dh*dh per token; folding the weights
-        (D*D*w adds per pass) is left out."""
+        per-pair terms count half of the full T x T. gen_out="full" runs folded
+        (MetricGenerator.forward), so both outputs count the generator's last layer as
+        w*H*dh*dh per token; folding the weights (D*D*w adds per pass) is left out."""
         cfg = self.config
         D, L, T, H = cfg.n_embd, cfg.n_layer, cfg.block_size, cfg.n_head
         dh = D // H
@@ -470,12 +472,7 @@ class GPT(nn.Module):
         is accepted: torch.float32 counts as "tf32" when CUDA's float32 matmuls may use TF32."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
-            # read through the fp32_precision API: the legacy allow_tf32 raises once it has been
-            # used. "none" defers to the setting for all backends
-            precision = torch.backends.cuda.matmul.fp32_precision
-            if precision == "none":
-                precision = torch.backends.fp32_precision
-            if dtype == "float32" and precision == "tf32":
+            if dtype == "float32" and tf32_matmuls():
                 dtype = "tf32"
         flops_per_iter = self.flops_per_token() * self.config.block_size * fwdbwd_per_iter
         return flops_per_iter / dt / (peak_flops or PEAK_FLOPS[dtype])
@@ -533,9 +530,20 @@ def equal_params_width(target, fields, field="gen_width"):
     return min((lo, hi), key=lambda w: abs(count(w) - target))
 
 
+def tf32_matmuls():
+    """Whether CUDA's float32 matmuls may run in TF32 (torch.set_float32_matmul_precision("high")).
+    torch >= 2.9 says so through fp32_precision, where "none" defers to the setting for all
+    backends, and reading the legacy allow_tf32 raises once fp32_precision has been set."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        return matmul.allow_tf32
+    precision = matmul.fp32_precision
+    return (torch.backends.fp32_precision if precision == "none" else precision) == "tf32"
+
+
 def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
     """The learning rate of iteration it: linear warm-up over warmup_iters, cosine decay to min_lr
-    at lr_decay_iters, then min_lr (nanoGPT's schedule; every training loop here uses it)."""
+    at lr_decay_iters, then min_lr (nanoGPT's schedule; every PyTorch training loop here uses it)."""
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
     if it >= lr_decay_iters:

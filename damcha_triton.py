@@ -1,6 +1,6 @@
 """
-damcha_triton.py: DAMCHA attention (Eqs. 5-7 of docs/model.md) as fused Triton kernels, with a
-hand-written flash-attention-2 style backward pass.
+damcha_triton.py: DAMCHA attention (the paper's Eqs. 5-7, as docs/model.md writes them) as fused
+Triton kernels, with a hand-written flash-attention-2 style backward pass.
 
     o = damcha_attention(x, m, v)
     x  (B, H, T, dh)   the head slices x_i of the layer input u: the keys, and the queries' inputs
@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from damcha_torch import tf32_matmuls
+
 LOG2E = math.log2(math.e)     # the kernels use exp2: exp(s) = exp2(s * log2(e))
 MAX_DH = 128                  # beyond this the (BLOCK, DH) float32 tiles outgrow the registers
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")   # as Triton reads it
@@ -78,8 +80,8 @@ def _configs(*options):
 
 def _keep_for_dtype(configs, named_args, **kwargs):
     """The configs for x's dtype and the padded head size DH: BLOCK >= 64 for 16-bit, <= 32 for
-    float32; at DH = 128 only the configs that fit the registers (8 warps for 16-bit, BLOCK = 16
-    for float32; ptxas spills the others, tests/test_sm90_compile.py). A static metric is not
+    float32; at DH = 128 only the configs that fit the registers (BLOCK = 64 over 8 warps for
+    16-bit, BLOCK = 16 for float32; ptxas spills the others, tests/test_sm90_compile.py). A static metric is not
     streamed: only the configs with the default M_STAGES."""
     wide = named_args["x_ptr"].dtype.itemsize == 4
     kept = [c for c in configs if (c.kwargs["BLOCK"] <= 32) == wide]
@@ -122,13 +124,15 @@ def _store_rows(base, tile, rows, cols, stride_t, stride_d, T, dh):
 
 
 @triton.jit
-def _program(H, BLOCK: tl.constexpr):
+def _program(H, BLOCK: tl.constexpr, KEYS: tl.constexpr):
     # one program per (b * H + h, block of positions): b * H + h on grid axis 0, which CUDA allows
-    # up to 2^31 - 1 (axes 1 and 2 stop at 65,535); the blocks in reverse, the longest causal rows
-    # first, so that the short ones fill in at the end
+    # up to 2^31 - 1 (axes 1 and 2 stop at 65,535). Programs start in the order of axis 1; the
+    # longest go first, so that the short ones fill in at the end: of the blocks of queries the
+    # last (they meet every key before them), of the blocks of keys (KEYS) the first (every later
+    # query meets them)
     bh = tl.program_id(0).to(tl.int64)
-    start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK
-    return bh, bh // H, bh % H, start
+    block = tl.program_id(1) if KEYS else tl.num_programs(1) - 1 - tl.program_id(1)
+    return bh, bh // H, bh % H, block * BLOCK
 
 
 @triton.jit
@@ -198,7 +202,7 @@ def _attn_fwd(x_ptr, m_ptr, v_ptr, o_ptr, lse_ptr, q_ptr,
               H, T, dh, qk_scale,
               BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr,
               M_STAGES: tl.constexpr):
-    bh, b, h, start_m = _program(H, BLOCK)
+    bh, b, h, start_m = _program(H, BLOCK, False)
     rows = start_m + tl.arange(0, BLOCK)
     x_base = x_ptr + b * stride_xb + h * stride_xh
     v_base = v_ptr + b * stride_vb + h * stride_vh
@@ -227,7 +231,8 @@ def _attn_fwd(x_ptr, m_ptr, v_ptr, o_ptr, lse_ptr, q_ptr,
 
 
 # ----------------------------------------------------------------------------------------------
-# Backward. With P = softmax(S) and dO the output gradient, from O = P V and S = q k^T / sqrt(dh):
+# Backward. With P = softmax(S) (Eq. 6) and dO the output gradient, from O = P V (Eq. 7) and
+# S = q k^T / sqrt(dh) (Eq. 5):
 #   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta) where delta_t = rowsum(dO_t * O_t) = sum_s P_ts dP_ts,
 #   dq = dS k / sqrt(dh),  dk = dS^T q / sqrt(dh).
 # Three kernels: _bwd_prep (delta), _bwd_dkdv (one program per key block, looping over the queries
@@ -240,7 +245,7 @@ def _bwd_prep(o_ptr, do_ptr, delta_ptr,
               stride_ob, stride_oh, stride_ot, stride_od,
               stride_dob, stride_doh, stride_dot, stride_dod,
               H, T, dh, BLOCK: tl.constexpr, DH: tl.constexpr):
-    bh, b, h, start_m = _program(H, BLOCK)
+    bh, b, h, start_m = _program(H, BLOCK, False)
     rows = start_m + tl.arange(0, BLOCK)
     cols = tl.arange(0, DH)
     o = _load_rows(o_ptr + b * stride_ob + h * stride_oh, rows, cols, stride_ot, stride_od, T, dh)
@@ -264,10 +269,10 @@ def _bwd_dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, keys, s
     if CAUSAL:
         s_t = tl.where(rows[None, :] >= keys[:, None], s_t, float("-inf"))
     p_t = tl.math.exp2(s_t - lse[None, :])                                        # P^T, recomputed
-    dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)                 # O = P V    -> dV = P^T dO
-    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                     # O = P V    -> dP^T = V dO^T
-    ds_t = p_t * (dp_t - delta[None, :])                                          # P = softmax(S) -> dS
-    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)                  # S = q k^T  -> dk = dS^T q
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)                 # Eq. 7, O = P V    -> dV = P^T dO
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                     # Eq. 7, O = P V    -> dP^T = V dO^T
+    ds_t = p_t * (dp_t - delta[None, :])                                          # Eq. 6, P = softmax(S) -> dS
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)                  # Eq. 5, S = q k^T  -> dk = dS^T q
     return dk, dv
 
 
@@ -281,7 +286,7 @@ def _bwd_dkdv(x_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
               stride_dvb, stride_dvh, stride_dvt, stride_dvd,
               H, T, dh, sm_scale, qk_scale,
               BLOCK: tl.constexpr, DH: tl.constexpr, PRECISION: tl.constexpr):
-    bh, b, h, start_n = _program(H, BLOCK)                           # a block of keys
+    bh, b, h, start_n = _program(H, BLOCK, True)                     # a block of keys
     keys = start_n + tl.arange(0, BLOCK)
     cols = tl.arange(0, DH)
     k = _load_rows(x_ptr + b * stride_xb + h * stride_xh, keys, cols, stride_xt, stride_xd, T, dh)
@@ -312,9 +317,9 @@ def _bwd_dq_block(dq, q, do, lse, delta, x_base, v_base, rows, start_n, cols,
     if CAUSAL:
         s = tl.where(rows[:, None] >= keys[None, :], s, float("-inf"))
     p = tl.math.exp2(s - lse[:, None])                                          # P, recomputed
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)                     # O = P V    -> dP = dO V^T
-    ds = p * (dp - delta[:, None])                                              # P = softmax(S) -> dS
-    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)                  # S = q k^T  -> dq = dS k
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)                     # Eq. 7, O = P V    -> dP = dO V^T
+    ds = p * (dp - delta[:, None])                                              # Eq. 6, P = softmax(S) -> dS
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)                  # Eq. 5, S = q k^T  -> dq = dS k
     return dq
 
 
@@ -331,7 +336,7 @@ def _bwd_dq(x_ptr, m_ptr, v_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dx_p
             H, T, dh, sm_scale, qk_scale,
             BLOCK: tl.constexpr, DH: tl.constexpr, PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr,
             M_STAGES: tl.constexpr):
-    bh, b, h, start_m = _program(H, BLOCK)                           # a block of queries
+    bh, b, h, start_m = _program(H, BLOCK, False)                    # a block of queries
     rows = start_m + tl.arange(0, BLOCK)
     cols = tl.arange(0, DH)
     x_base = x_ptr + b * stride_xb + h * stride_xh
@@ -386,11 +391,8 @@ def _grid(x):
 
 
 def _precision(dtype):
-    """"ieee" or "tf32" for float32 dots, following torch's setting for float32 matmuls on CUDA.
-    torch >= 2.9 has fp32_precision; reading the legacy allow_tf32 there raises once it was set."""
-    matmul = torch.backends.cuda.matmul
-    tf32 = matmul.fp32_precision == "tf32" if hasattr(matmul, "fp32_precision") else matmul.allow_tf32
-    return "tf32" if dtype == torch.float32 and tf32 else "ieee"     # 16-bit dots ignore it
+    """"ieee" or "tf32" for float32 dots, following torch's setting for float32 matmuls on CUDA."""
+    return "tf32" if dtype == torch.float32 and tf32_matmuls() else "ieee"   # 16-bit dots ignore it
 
 
 def _metric_strides(m):

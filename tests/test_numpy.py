@@ -317,6 +317,10 @@ def test_get_batch_targets_are_the_next_tokens():
     x, y = dn.get_batch(data, 8, 6, np.random.default_rng(0))
     assert x.shape == y.shape == (8, 6)
     assert np.array_equal(y, x + 1)   # the corpus counts up: every target is the token after its input
+    x, y = dn.get_batch(data[:7], 4, 6, np.random.default_rng(0))   # one window: the whole corpus
+    assert (x == np.arange(6)).all() and (y == np.arange(1, 7)).all()
+    x, _ = dn.get_batch(data, 400, 6, np.random.default_rng(0))
+    assert sorted(set(x[:, 0].tolist())) == list(range(44))   # every start, the last (43) included
 
 
 def fake_forward(seen, z):
@@ -374,6 +378,7 @@ def test_main_rejects_bad_flags(tmp_path):
     short.write_bytes(b"ROMEO: hi\n" * 3)
     for flag, message in [("--n_layre=2", "did you mean 'n_layer'"), ("--n_layer=two", "expected int"),
                           ("--vocab_size=500", "unknown setting 'vocab_size'"),   # the corpus decides it
+                          ("--qk=proj", "unknown setting 'qk'"),   # NumPy has the paper's model only
                           ("--n_embd=10", "divisible"),
                           ("--start=ROMEO\u00e9", "not in the corpus"), ("--data=/nonexistent.txt", "no such file"),
                           ("--eval_every=0", "must be positive"), ("--n_head=0", "at least 1"),
