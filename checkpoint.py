@@ -69,11 +69,12 @@ def load_checkpoint(out_dir):
 
 
 def load_error(e):
-    """torch.load's reason, without its advice to retry with weights_only=False: that runs any code
-    a file holds, which is no remedy for a damaged or untrusted checkpoint."""
+    """torch.load's reason, without its advice to retry with weights_only=False or to allow the
+    file's Python objects: either runs code the file holds, no remedy for a damaged or untrusted
+    checkpoint."""
     text = str(e)
     if 'WeightsUnpickler error:' in text:
-        text = text.split('WeightsUnpickler error:')[1].split('Check the documentation')[0]
+        text = text.split('WeightsUnpickler error:')[1].split('Check the documentation')[0].split('. Please')[0]
     else:
         text = text.split('. ')[0]
     text = ' '.join(text.split())[:200]

@@ -390,3 +390,8 @@ def test_damaged_checkpoints_get_one_line_that_recommends_nothing_unsafe(tmp_pat
     result = cli('--mode=sample', f'--out_dir={tmp_path / "pickle"}', script='eval_char.py')
     one_line_error(result, 'is not a readable checkpoint')
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    (tmp_path / 'code').mkdir()   # torch.save'd, holding a function: torch advises allowing it, we do not
+    torch.save({'model': print}, tmp_path / 'code' / 'ckpt.pt')
+    last = one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "code"}', script='eval_char.py'),
+                          'is not a readable checkpoint')
+    assert 'Unsupported global' in last and 'safe_globals' not in last and 'weights_only' not in last, last
