@@ -407,8 +407,9 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_dir):
     a, b = (tc.read_jsonl(tmp_path / d / 'train_log.jsonl') for d in 'ab')
     assert [e['iter'] for e in b] == list(range(8))
     assert a == b                                    # every loss and learning rate, bit for bit
-    assert [e['val_loss'] for e in tc.read_jsonl(tmp_path / 'a' / 'log.jsonl')] == \
-           [e['val_loss'] for e in tc.read_jsonl(tmp_path / 'b' / 'log.jsonl')]
+    a, b = (tc.read_jsonl(tmp_path / d / 'log.jsonl') for d in 'ab')
+    assert [(e['val_loss'], e['tokens']) for e in a] == [(e['val_loss'], e['tokens']) for e in b]
+    assert all(x['time'] <= y['time'] for x, y in zip(b, b[1:]))   # the clock carries on from the checkpoint
 
 
 def test_each_step_follows_the_schedule_clips_and_keeps_the_best(tmp_path, data_dir, monkeypatch):
