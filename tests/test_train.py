@@ -434,6 +434,10 @@ def test_each_step_follows_the_schedule_clips_and_keeps_the_best(tmp_path, data_
     assert norms == [0.5] * 12
     ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
     assert (ckpt['iter_num'], ckpt['best_val_loss']) == (4, 2.0)
+    val = iter([3.0, 2.0, 2.5])   # always_save_checkpoint=True: the last evaluation's weights, the best loss
+    run(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "always"}', '--max_iters=8', '--eval_interval=4')
+    ckpt = torch.load(tmp_path / 'always' / 'ckpt.pt', weights_only=True)
+    assert (ckpt['iter_num'], ckpt['best_val_loss']) == (8, 2.0)
 
 
 def test_estimate_loss_scores_each_split_on_its_own_tokens(tmp_path):
