@@ -282,6 +282,7 @@ def check_lengths(components, splits, block_size):
                 die(f"the {s} split of {c['name']} has {len(c['splits'][s])} tokens, "
                     f"too few for block_size={block_size}")
 
+
 def encode(start, vocab, block_size):
     """The prompt's token ids. The model reads bytes, so a prompt is bytes: FILE:path is read as
     bytes (any, UTF-8 or not), and a command-line prompt is the bytes it was typed as (Python

@@ -230,6 +230,21 @@ def test_text_file_is_split_90_5_5_and_prepared_again_when_it_changes(tmp_path):
     assert bytes(prep.prepare(str(text), str(tmp_path / 'data'))['vocab']) == b'abc' and 'digest' in meta.read_text()
 
 
+def test_a_split_needs_more_tokens_than_the_context_and_a_file_its_own_folder(tmp_path):
+    """A window is block_size + 1 tokens: a split of exactly block_size is refused in one line,
+    and a prompt of block_size bytes is taken. A text file named like a dataset is refused
+    before it overwrites that dataset's prepared folder."""
+    split = dict(name='notes', splits=dict(val=np.zeros(16, dtype=np.uint8)))
+    with pytest.raises(SystemExit, match='the val split of notes has 16 tokens, too few for block_size=16'):
+        prep.check_lengths([split], ('val',), 16)
+    prep.check_lengths([split], ('val',), 15)
+    assert prep.encode('a' * 16, [97], 16) == [0] * 16
+    (tmp_path / 'enwik8.txt').write_text('abc' * 100)
+    with pytest.raises(SystemExit, match='which belongs to the enwik8 dataset; rename it'):
+        prep.prepare(str(tmp_path / 'enwik8.txt'), str(tmp_path / 'data'))
+    assert not (tmp_path / 'data').exists()
+
+
 def test_prepare_runs_as_a_script_from_anywhere(tmp_path):
     script = os.path.join(ROOT, 'data', 'prepare.py')
     result = subprocess.run([sys.executable, script, 'shakespeare', f'--data_dir={tmp_path}'], cwd=tmp_path,
