@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -539,6 +540,14 @@ def test_non_finite_loss_stops_and_keeps_the_checkpoint(trained, monkeypatch, tm
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert message.startswith('error: the training loss became nan at iter 20') and 'iter 20) is the last good checkpoint' in message
     assert digest(trained / 'ckpt.pt') == before
+    monkeypatch.setattr(checkpoint, 'GPT', tc.GPT)   # training is fine, the evaluation is not
+    monkeypatch.setattr(tc, 'estimate_loss', lambda *a: dict(train_loss=1.0, val_loss=float('inf'), val_bpc=0.0))
+    shutil.copytree(trained, tmp_path / 'copy')        # it trains on: the shared run's logs stay as they are
+    with pytest.raises(SystemExit) as e:
+        run('--init_from=resume', f'--out_dir={tmp_path / "copy"}', '--max_iters=40')
+    assert e.value.code == checkpoint.DIVERGED
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith('error: the val loss became inf at iter 30')
+    assert digest(tmp_path / 'copy' / 'ckpt.pt') == before
 
 
 # ---------------------------------------------------------------------------------------------
