@@ -1,4 +1,4 @@
-"""
+r"""
 train_char.py: train character-level DAMCHA and MHA GPTs.
 
 In the manner of nanoGPT's train.py: every setting has a default below; config files
