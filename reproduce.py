@@ -377,6 +377,21 @@ def git_commit():
     return head.stdout.strip() + ('+dirty' if dirty else '')
 
 
+def write_study_summary(path, summary):
+    """summary.json, unless it already says the same but for the commit that wrote it: summarizing
+    finished runs again leaves a checkout's committed results as they were."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = None
+    but_commit = lambda d: {k: v for k, v in d.items() if k != 'commit'}
+    if isinstance(old, dict) and but_commit(old) == but_commit(json.loads(json.dumps(summary))):
+        return
+    with open(path, 'w') as f:
+        json.dump(summary, f, indent=2)
+
+
 def t_quantile(p, dof):
     """The p-quantile (p > 0.5) of Student's t with dof degrees of freedom: bisection on its CDF,
     the density integrated by Simpson's rule (no scipy needed)."""
@@ -473,8 +488,8 @@ def lr_summary(variants, grid, params, results, commit):
         cells = [f"{table[name][f'{lr:g}']:.4f}" if f'{lr:g}' in table[name] else '...' for lr in grid]
         note = '' if name not in chosen else f"{chosen[name]:g}" + (' (edge of the grid)' if chosen[name] in (grid[0], grid[-1]) else '')
         lines.append(f"| {name} | {params[name]:,} | " + ' | '.join(cells) + f' | {note} |')
-    with open(os.path.join(results, 'summary.json'), 'w') as f:
-        json.dump(dict(grid=grid, held_out_bpc=table, chosen_lr=chosen, commit=commit), f, indent=2)
+    write_study_summary(os.path.join(results, 'summary.json'),
+                        dict(grid=grid, held_out_bpc=table, chosen_lr=chosen, commit=commit))
     with open(os.path.join(results, 'summary.md'), 'w') as f:
         f.write('\n'.join(lines) + '\n')
     print('\n'.join(lines))
@@ -516,9 +531,9 @@ def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
                 row[f'val_bpc_{b}'] = values
         rows.append(row)
     contrasts = study_contrasts(evals, seeds)
-    with open(os.path.join(results, 'summary.json'), 'w') as f:
-        json.dump(dict(regime=regime, seeds=seeds, commit=commit, run_commits=sorted({e['commit'] for e in evals.values()}),
-                       rows=rows, contrasts=contrasts), f, indent=2)
+    write_study_summary(os.path.join(results, 'summary.json'),
+                        dict(regime=regime, seeds=seeds, commit=commit, run_commits=sorted({e['commit'] for e in evals.values()}),
+                             rows=rows, contrasts=contrasts))
     lines = [f"2x2 study, regime {regime}: {REGIMES[regime]}; whole-val bpc, mean ± std over seeds; paired "
              "differences to MHA (same seed, same batches) with 95% t intervals; equal time: each pair's val "
              "estimates (log.jsonl) at the earlier finishing time; gap: val - train estimate at the end, bpc.", '',
