@@ -81,8 +81,8 @@ def _configs(*options):
 def _keep_for_dtype(configs, named_args, **kwargs):
     """The configs for x's dtype and the padded head size DH: BLOCK >= 64 for 16-bit, <= 32 for
     float32; at DH = 128 only the configs that fit the registers (BLOCK = 64 over 8 warps for
-    16-bit, BLOCK = 16 for float32; ptxas spills the others, tests/test_sm90_compile.py). A static metric is not
-    streamed: only the configs with the default M_STAGES."""
+    16-bit, BLOCK = 16 for float32; ptxas spills the others, tests/test_sm90_compile.py). A
+    static metric is not streamed: only the configs with the default M_STAGES."""
     wide = named_args["x_ptr"].dtype.itemsize == 4
     kept = [c for c in configs if (c.kwargs["BLOCK"] <= 32) == wide]
     if not kwargs.get("PER_TOKEN", True):
