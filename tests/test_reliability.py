@@ -360,6 +360,26 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
         assert digest(tmp_path / name / 'ckpt.pt') == before
 
 
+def test_a_damaged_random_state_is_one_line_at_resume(tmp_path, data_dir):
+    """The batch generator's and torch's saved states are only read when the optimizer is restored,
+    after the checks above: whatever is wrong with them (not a dict, a tensor cut short, a per-process
+    entry of the wrong shape) is the same one line, and the checkpoint is left as it was."""
+    good = tmp_path / 'good'
+    tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={good}', '--eval_interval=4', '--max_iters=4'])
+    ckpt = torch.load(good / 'ckpt.pt', weights_only=True)
+    rng = ckpt['rng']
+    damaged = dict(not_a_dict=5, short=dict(rng, batches=rng['batches'][:10]),
+                   float_state=dict(rng, batches=rng['batches'].float()), triple=dict(rng, torch=[(1, 2, 3)]),
+                   no_list=dict(rng, torch=None))
+    for name, bad in damaged.items():
+        (tmp_path / name).mkdir()
+        torch.save(dict(ckpt, rng=bad), tmp_path / name / 'ckpt.pt')
+        before = digest(tmp_path / name / 'ckpt.pt')
+        message = fails('--init_from=resume', f'--out_dir={tmp_path / name}', f'--data_dir={data_dir}', '--max_iters=8')
+        assert "the checkpoint's optimizer or RNG state does not fit this run" in message, (name, message)
+        assert digest(tmp_path / name / 'ckpt.pt') == before
+
+
 def test_a_resume_in_a_copy_of_a_run_leaves_the_original_alone(tmp_path, data_dir, monkeypatch, capsys):
     """The checkpoint remembers its out_dir, mode and init_from, but they are never taken from it:
     a copied run resumed in the default out_dir carries on there, and eval_char.py without --mode evaluates."""
