@@ -48,6 +48,7 @@ place of its numbers, and the check goes on.
 tests/test_triton.py imports make_inputs and torch_path from here; importing this module runs nothing.
 """
 import json
+import math
 import os
 import platform
 import subprocess
@@ -101,7 +102,19 @@ def rel_err(a, b):
 
 
 def emit(**row):
-    print(json.dumps(row), flush=True)
+    """One measurement as a line of JSON. A non-finite number (a kernel that returns NaN) is written
+    as the string "nan" or "inf": bare NaN is not JSON, and stricter readers than Python's refuse it."""
+    print(json.dumps(finite(row)), flush=True)
+
+
+def finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def failure(e):

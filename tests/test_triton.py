@@ -335,6 +335,19 @@ def test_bench_refuses_a_bad_train_config_before_any_section(capsys):
     assert capsys.readouterr().out == ""   # no row printed
 
 
+def test_a_row_with_a_nan_is_still_strict_json(capsys):
+    """A kernel that returns NaN gives errors that are NaN: the row must still parse as JSON, which
+    has no NaN (Python's json.loads accepts it; parse_constant makes it refuse, as jq would)."""
+    import bench_triton_gpu
+
+    def refuse(name):
+        raise ValueError(f"bare {name} in the output")
+    bench_triton_gpu.emit(kind="check", ok=False, err_triton={"o": float("nan"), "dx": 0.5},
+                          times=[float("inf"), 1.0])
+    row = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert row["err_triton"] == {"o": "nan", "dx": 0.5} and row["times"] == ["inf", 1.0]
+
+
 def test_a_profile_that_records_nothing_is_an_error():
     """A profiler that recorded no kernels must not read as a step of 0 ms."""
     import bench_triton_gpu
