@@ -5,6 +5,7 @@
   from): a reader of a clone does not have them. The model is written down in docs/model.md.
 - Every relative link in the tracked Markdown files (README.md, docs/*.md, ...) points at a file
   or folder tracked by git, and a link to a heading (file.md#anchor) at a heading that exists.
+- Every function docs/model.md's equation index names is in the file of its column.
 
     python -m pytest -q tests/test_repo.py
 
@@ -196,3 +197,29 @@ def test_markdown_links_lead_somewhere():
         if path.endswith(".md"):
             broken += broken_links(path, read_text(path), set(tracked))
     assert not broken, "broken relative links in the Markdown files:\n" + "\n".join(broken)
+
+
+def test_the_equation_index_names_code_that_exists():
+    """docs/model.md ends with an index from each equation to the functions that compute it, one column
+    per model file. Every plain name in a column (`rowsum_backward`, `MetricQuery.backward`) must be
+    a word of that file, so that a rename cannot leave the reader looking for code that is gone."""
+    text = read_text("docs/model.md")
+    index = text[text.index("## Index: equation to code"):]
+    header = next(line for line in index.splitlines() if line.startswith("| equation"))
+    files = re.findall(r"`(\w+\.py)`", header)
+    assert files == ["damcha_numpy.py", "damcha_torch.py", "damcha_triton.py"], header
+    sources = [read_text(f) for f in files]
+    rows = [line for line in index.splitlines() if line.startswith("| ") and line != header and "---" not in line]
+    missing, names = [], 0
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        assert len(cells) == 4, row
+        for source, cell, path in zip(sources, cells[1:], files):
+            for name in re.findall(r"`([A-Za-z_][\w.]*)`", cell):
+                if name.split(".")[0] in ("F", "nn", "torch"):
+                    continue   # torch's own functions
+                names += 1
+                missing += [f"{path}: {name}" for part in name.split(".")
+                            if not re.search(rf"\b{re.escape(part)}\b", source)][:1]
+    assert names > 50 and len(rows) >= 14
+    assert not missing, "docs/model.md's index names what its file lacks:\n" + "\n".join(missing)
