@@ -140,6 +140,18 @@ def test_help_prints_the_docstring_and_every_default(capsys):
     assert out.split('--key=value):\n')[1].splitlines() == [f'  {k}={v!r}' for k, v in tc.DEFAULTS.items()]
 
 
+def test_eval_help_prints_its_docstring_and_every_default(capsys):
+    """eval_char.py -h and --help: its own docstring, then each of its settings with its default
+    (not a value given before the flag), and exit status 0."""
+    for flag in ('-h', '--help'):
+        with pytest.raises(SystemExit) as e:
+            ec.main(['--stride=3', flag])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(ec.__doc__.strip())
+        assert out.split('--key=value):\n')[1].splitlines() == [f'  {k}={v!r}' for k, v in ec.DEFAULTS.items()]
+
+
 def test_bad_settings_are_one_line_errors(tmp_path):
     assert "did you mean 'batch_size'" in fails('--batchsize=3')
     assert 'expected int' in fails('--batch_size=1.5')
@@ -256,6 +268,55 @@ def test_prepare_runs_as_a_script_from_anywhere(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stderr.startswith('error: dataset') and result.stderr.count('\n') == 1
     assert not (tmp_path / 'new').exists()   # every name is checked before the first is prepared
+
+
+def test_a_split_file_of_the_wrong_size_is_prepared_again(tmp_path):
+    """A .bin file whose size is not the one meta.json gives (cut short, say) leaves the folder
+    unprepared: the next use writes it again in full rather than reading the short one."""
+    text = tmp_path / 'notes.txt'
+    text.write_bytes(b'hello world, ' * 100)
+    prep.prepare(str(text), str(tmp_path / 'data'))
+    val = tmp_path / 'data' / 'notes' / 'val.bin'
+    whole = val.read_bytes()
+    val.write_bytes(whole[:10])
+    assert prep.prepare(str(text), str(tmp_path / 'data'))['splits']['val'] == 65
+    assert val.read_bytes() == whole
+
+
+def test_an_interrupted_preparation_is_done_again(tmp_path, monkeypatch):
+    """meta.json, which marks a folder prepared, is written after every .bin file: a text file
+    that changed (same length, so each old .bin keeps the size meta.json gives), whose preparation
+    is interrupted at its last .bin, is prepared in full at the next use, not left part old."""
+    text = tmp_path / 'notes.txt'
+    text.write_bytes(b'ab' * 500)
+    data = str(tmp_path / 'data')
+    prep.prepare(str(text), data)
+    text.write_bytes(b'ba' * 500)
+    write = prep.atomic_write
+
+    def interrupted(path):
+        if path.endswith('test.bin'):
+            raise KeyboardInterrupt
+        return write(path)
+    monkeypatch.setattr(prep, 'atomic_write', interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(str(text), data)
+    monkeypatch.undo()
+    meta = prep.prepare(str(text), data)
+    ids = np.concatenate([np.fromfile(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8)
+                          for s in ('train', 'val', 'test')])
+    assert bytes(np.array(meta['vocab'], dtype=np.uint8)[ids]) == b'ba' * 500
+
+
+def test_prepare_script_says_why_a_data_dir_cannot_be_made_in_one_line(tmp_path):
+    """data/prepare.py with a data_dir below a file (a folder that cannot be made): the system's
+    reason, naming the path, in one line rather than a traceback."""
+    text = tmp_path / 'notes.txt'
+    text.write_bytes(b'hello world, ' * 100)
+    blocker = tmp_path / 'afile'
+    blocker.write_text('')
+    message = fails(text, f'--data_dir={blocker / "data"}', main=prep.main)
+    assert 'Not a directory' in message and str(blocker) in message
 
 
 def test_enwik8_text8_and_mix_from_archives(corpora, monkeypatch, capsys):
@@ -513,6 +574,23 @@ def test_ddp_ranks_waiting_for_missing_data_stop_in_one_line(tmp_path):
     assert "RuntimeError" not in result.stderr
 
 
+def test_the_lock_names_only_the_run_that_holds_it(tmp_path):
+    """train.lock is emptied before the run that takes it writes itself in: a second run's
+    refusal names the current holder, never one that an earlier run left in the file."""
+    out = tmp_path / 'out'
+    out.mkdir()
+    (out / 'train.lock').write_text('pid 1, started 2000-01-01 00:00:00, command: python train_char.py --old\n')
+    checkpoint.lock_out_dir(str(out))
+    try:
+        with pytest.raises(SystemExit) as e:
+            checkpoint.lock_out_dir(str(out))   # another open file: flock refuses it, as it would another process
+    finally:
+        checkpoint.HELD.pop().close()
+    message = e.value.code
+    assert message.startswith(f'error: {out} is in use by another training run (pid {os.getpid()}, started ')
+    assert 'pid 1,' not in message and '--old' not in message
+
+
 def test_snapshots_asked_for_at_a_resume_lie_ahead_of_it(trained, tmp_path):
     """Snapshots before the checkpoint's iteration would never be written: refused, not skipped;
     so are those the checkpoint keeps asking for past a lowered max_iters, saying where they come from."""
@@ -679,6 +757,45 @@ def test_plot_of_several_runs(trained, tmp_path):
         del first[key]
         (damaged / 'log.jsonl').write_text('\n'.join([json.dumps(first)] + entries[1:]) + '\n')
         assert 'has an entry without val_bpc, tokens or time' in fails_eval('--mode=plot', f'--out_dir={damaged}')
+
+
+def test_an_unwritable_plot_file_is_one_line(trained, tmp_path):
+    """A plot_file in a folder that does not exist, or one that is itself a folder: the system's
+    reason in one line, and nothing made."""
+    missing = tmp_path / 'no' / 'bpc.png'
+    message = fails_eval('--mode=plot', f'--out_dir={trained}', f'--plot_file={missing}')
+    assert 'No such file or directory' in message and str(missing) in message
+    folder = tmp_path / 'bpc.png'
+    folder.mkdir()
+    assert 'Is a directory' in fails_eval('--mode=plot', f'--out_dir={trained}', f'--plot_file={folder}')
+    assert sorted(os.listdir(tmp_path)) == ['bpc.png'] and os.listdir(folder) == []
+
+
+def test_eval_runs_the_model_without_dropout(trained, tmp_path, monkeypatch, capsys):
+    """eval scores the model in eval mode: with dropout set (--dropout and --attn_dropout 0.5), the
+    result is the same on every run, and the same as without dropout."""
+    small = tmp_path / 'small.txt'   # a shorter Shakespeare keeps this fast
+    small.write_bytes(open(prep.BUNDLED, 'rb').read()[:20000])
+    monkeypatch.setattr(prep, 'BUNDLED', str(small))
+    results = []
+    for dropout in (0.5, 0.5, 0.0):
+        run_eval('--mode=eval', f'--out_dir={trained}', f'--data_dir={tmp_path}', '--batch_size=64',
+                 f'--dropout={dropout}', f'--attn_dropout={dropout}')
+        results.append(json.loads(capsys.readouterr().out))
+    assert results[0] == results[1] == results[2] and results[0]['val_tokens'] == 2000 - 1
+
+
+def test_eval_refuses_a_split_too_short_for_one_window(trained, tmp_path, capsys):
+    """A scored window is block_size + 1 tokens: a val split of exactly block_size (16) tokens is
+    refused in one line, not a traceback from the scoring; one of 17 is scored."""
+    text = tmp_path / 'short.txt'
+    text.write_bytes(b'abcd' * 80)   # 90 / 5 / 5 of 320: val and test 16 tokens each
+    message = fails_eval('--mode=eval', f'--out_dir={trained}', f'--dataset={text}', f'--data_dir={tmp_path}')
+    assert message == f'error: the val split of {text} has 16 tokens, too few for block_size=16'
+    text.write_bytes(b'abcd' * 85)   # of 340: 17 each
+    run_eval('--mode=eval', f'--out_dir={trained}', f'--dataset={text}', f'--data_dir={tmp_path}')
+    result = json.loads(capsys.readouterr().out)
+    assert result['val_tokens'] == result['test_tokens'] == 16
 
 
 # ---------------------------------------------------------------------------------------------
