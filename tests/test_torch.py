@@ -232,8 +232,8 @@ def test_shared_metric_gradient_is_elementwise():
     """With share=True every layer adds its own dm = x^T dq, as large as m, to m's gradient.
     The backward must form it as an elementwise product (MetricQuery), never as a matmul output:
     torch.compile then fuses the L products into one sum and stores none of them, while matmul
-    outputs (compiled by torch < 2.13) stayed alive together until the sum, 9.6 GB peak on an
-    H200 against eager's 5.6 GB. The sizes make m's B*T*H*dh*dh = 1024 entries unique."""
+    outputs (compiled by torch < 2.13) stayed alive together until the sum, 9,630 MiB peak on an
+    H200 against eager's 5,644 MiB. The sizes make m's B*T*H*dh*dh = 1024 entries unique."""
     config = GPTConfig(vocab_size=11, block_size=8, n_layer=3, n_head=2, n_embd=16, gen_width=6)
     model = GPT(config)
     idx = tokens(config, (2, 8), 4)
