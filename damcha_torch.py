@@ -139,6 +139,11 @@ class MetricGenerator(nn.ModuleList):
         super().__init__(nn.Linear(n_in, n_out, bias=config.bias) for n_in, n_out in zip(sizes, sizes[1:]))
         self.config = config
 
+    def __getitem__(self, idx):
+        # ModuleList rebuilds a slice as its own class, which takes a config, not layers: a slice
+        # (gen[:-1], the hidden layers) is a plain ModuleList of the same layers
+        return nn.ModuleList(list(self)[idx]) if isinstance(idx, slice) else super().__getitem__(idx)
+
     def forward(self, c):
         # c (B, T, D) -> m (B, T, H, dh, dh)
         *hidden, last = self
