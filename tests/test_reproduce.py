@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -35,17 +34,22 @@ def sweep_args(tmp_path, variants=VARIANTS):
             f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}"]
 
 
-def sweep(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
-    t0 = time.time()
-    p = subprocess.run([sys.executable, 'reproduce.py', *sweep_args(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return p.stdout, time.time() - t0
+@pytest.fixture
+def in_process(monkeypatch, capfd):
+    """reproduce.main(argv) in this process (its train_char.py and eval_char.py runs are still
+    subprocesses, which do not inherit tests/test_triton.py's TRITON_INTERPRET), returning what it
+    and its subprocesses printed to stdout."""
+    monkeypatch.delenv('TRITON_INTERPRET', raising=False)
+
+    def main(argv):
+        capfd.readouterr()
+        reproduce.main(argv)
+        return capfd.readouterr().out
+    return main
 
 
-def test_tiny_sweep_and_rerun(tmp_path):
-    out, first = sweep(tmp_path)
+def test_tiny_sweep_and_rerun(tmp_path, in_process):
+    in_process(sweep_args(tmp_path))
     results = tmp_path / 'results'
     for v in VARIANTS:
         assert (results / f'{v}-seed1.log.jsonl').read_text().strip()
@@ -75,9 +79,8 @@ def test_tiny_sweep_and_rerun(tmp_path):
         assert end['model'][k].dtype == torch.float16 and torch.equal(end['model'][k], w.half())
     assert any(not torch.equal(start['model'][k], end['model'][k]) for k in final)
 
-    out, again = sweep(tmp_path)
+    out = in_process(sweep_args(tmp_path))
     assert out.count('skip ') == len(VARIANTS) and 'train ' not in out
-    assert again < first
 
 
 def test_a_split_sweep_summarizes_the_runs_the_other_process_finished_meanwhile(tmp_path, monkeypatch):
@@ -212,21 +215,16 @@ def test_settings_reproduce_sets_for_each_run_are_refused():
     assert reproduce.parse_options(['--learning_rate=1e-3'])[1] == {'learning_rate': '1e-3'}   # the sweep takes it
 
 
-def test_study_2x2_lr_sweep_then_regime_i(tmp_path):
+def test_study_2x2_lr_sweep_then_regime_i(tmp_path, in_process):
     """--study=2x2: the LR sweep trains on the training split's own 90/5/5 split (never val) at the
     full corpus's vocabulary, chooses a rate per variant, and regime i trains at it, records the
     commit, evaluates the Table 3 model with blocks=diag and offdiag, and writes the paired intervals."""
-    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     args = ['--study=2x2', '--seeds=1', '--max_iters=4', '--eval_interval=2', '--eval_iters=1', '--n_layer=1',
             '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=1024', '--max_new_tokens=2', '--device=cpu',
             '--variants=mha,damcha_full', f"--results={tmp_path / 'results'}", f"--out_root={tmp_path / 'out'}",
             f"--data_dir={tmp_path / 'data'}"]
-    run = lambda *more: subprocess.run([sys.executable, 'reproduce.py', *args, *more], cwd=ROOT, capture_output=True,
-                                       text=True, timeout=300, env=env)
-    p = run('--regime=i')
-    assert p.returncode and 'run the learning-rate sweep first' in p.stderr and 'Traceback' not in p.stderr
-    p = run('--regime=lr', '--lr_grid=1e-3,3e-3')
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert 'run the learning-rate sweep first' in refusal(*args, '--regime=i')
+    in_process(args + ['--regime=lr', '--lr_grid=1e-3,3e-3'])
     lr = json.loads((tmp_path / 'results' / 'lr' / 'summary.json').read_text())
     for v in ('mha', 'damcha_full'):
         scores = lr['held_out_bpc'][v]
@@ -236,15 +234,14 @@ def test_study_2x2_lr_sweep_then_regime_i(tmp_path):
     held_out = json.loads((tmp_path / 'data' / 'shakespeare_train' / 'meta.json').read_text())['splits']
     train = json.loads((tmp_path / 'data' / 'shakespeare' / 'meta.json').read_text())['splits']['train']
     assert sum(held_out.values()) == train   # the held-out slice is part of the training split
-    p = run('--regime=i')
-    assert p.returncode == 0, p.stdout + p.stderr
+    in_process(args + ['--regime=i'])
     summary = json.loads((tmp_path / 'results' / 'i' / 'summary.json').read_text())
     rows = {r['variant']: r for r in summary['rows']}
     assert rows['mha']['lr'] == lr['chosen_lr']['mha'] and rows['damcha_full']['runs'] == 1
     assert abs(rows['damcha_full']['rel_params_vs_mha']) < 0.02
     assert len(rows['damcha_full']['val_bpc_diag']) == len(rows['damcha_full']['val_bpc_offdiag']) == 1
     assert rows['mha']['diff_equal_steps'] == [0.0, None]
-    assert run('--regime=i').stdout.count('skip ') == 2
+    assert in_process(args + ['--regime=i']).count('skip ') == 2
 
 
 def test_study_contrasts_pair_runs_of_the_same_seed():
