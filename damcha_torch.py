@@ -340,6 +340,10 @@ def init_weights(model, n_layer):
     compositions start near the identity, i.e. near MHA, and every weight has a gradient).
     metric_init="identity" then sets every static metric, or every generator's last bias, to
     identity_metric: each m_i starts at I, plus the generator's N(0, 0.02) noise."""
+    if any(p.is_meta for p in model.parameters()):
+        # count_params builds on the meta device, where a tensor has a shape but no values: there
+        # is nothing to initialise, and torch's meta init functions cost 40 ms a model
+        return
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
