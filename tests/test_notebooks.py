@@ -75,6 +75,7 @@ def test_figures_are_wide_enough(path):
     assert not narrow, f"{path.name}: figures narrower than {MIN_FIGURE_WIDTH} px (cell, width): {narrow}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_runs_and_plots(path):
     nb = nbformat.read(path, as_version=4)

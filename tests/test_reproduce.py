@@ -48,6 +48,7 @@ def in_process(monkeypatch, capfd):
     return main
 
 
+@pytest.mark.slow
 def test_tiny_sweep_and_rerun(tmp_path, in_process):
     in_process(sweep_args(tmp_path))
     results = tmp_path / 'results'
@@ -137,6 +138,7 @@ COMMITTED = [('charlevel/shakespeare', ['--device=cpu']),
              ('study2x2/ii', ['--study=2x2', '--regime=ii', '--device=cpu'])]
 
 
+@pytest.mark.slow
 def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys):
     """Rerun on a copy of results/, every run is skipped and each summary is written again: it must
     come out as committed (the studies' summary.json byte for byte: an unchanged one keeps the
@@ -215,6 +217,7 @@ def test_settings_reproduce_sets_for_each_run_are_refused():
     assert reproduce.parse_options(['--learning_rate=1e-3'])[1] == {'learning_rate': '1e-3'}   # the sweep takes it
 
 
+@pytest.mark.slow
 def test_study_2x2_lr_sweep_then_regime_i(tmp_path, in_process):
     """--study=2x2: the LR sweep trains on the training split's own 90/5/5 split (never val) at the
     full corpus's vocabulary, chooses a rate per variant, and regime i trains at it, records the
@@ -314,6 +317,7 @@ def test_only_a_diverged_run_is_recorded_as_diverged(tmp_path):
     assert json.loads((tmp_path / 'results' / 'hot.eval.json').read_text())['failed'] is True
 
 
+@pytest.mark.slow
 def test_the_snapshot_run_resumes_with_the_snapshots_still_ahead(tmp_path):
     """An interrupted snapshot run (damcha-seed1 by default) resumes: its snapshots from before the
     checkpoint were written by the first run, and the resume asks only for those of this

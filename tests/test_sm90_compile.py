@@ -143,6 +143,7 @@ def table(rows):
     return "\n".join(lines)
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm90_and_fits_the_registers(tmp_path):
     reason = tools_missing()
     if reason:

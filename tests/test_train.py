@@ -175,6 +175,7 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     assert 'unknown setting' in fails(unknown)
 
 
+@pytest.mark.slow
 def test_command_line_errors_have_no_traceback(data_dir):
     """Each is one line on stderr and nothing on stdout: the config a run prints comes after the data."""
     prep.prepare('shakespeare', str(data_dir))   # so that the prompt's run says only its error
@@ -438,6 +439,7 @@ def test_wrong_archive_is_reported_and_kept(corpora, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # Training, resuming, DDP
 
+@pytest.mark.slow
 def test_command_line_train_resume_sample(tmp_path, data_dir, capsys):
     """Issue 4's 'done when': 60 iterations log a falling val loss and a checkpoint, a resume
     continues to 90, and sampling prints text after the prompt."""

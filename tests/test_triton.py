@@ -292,6 +292,7 @@ def test_torch_compile_traces_through_the_op():
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_bench_triton_gpu_smoke():
     """python bench_triton_gpu.py --smoke --profile=True: every section runs and prints JSON rows;
     its checks pass, each timed model row is profiled once all are timed (no profiler attached
