@@ -342,7 +342,7 @@ def init_weights(model, n_layer):
     identity_metric: each m_i starts at I, plus the generator's N(0, 0.02) noise."""
     if any(p.is_meta for p in model.parameters()):
         # count_params builds on the meta device, where a tensor has a shape but no values: there
-        # is nothing to initialise, and torch's meta init functions cost 40 ms a model
+        # is nothing to initialise, and torch's meta init functions took 49 of count_params's 57 ms
         return
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
