@@ -52,7 +52,7 @@ class GPTConfig:
     dropout: float = 0.0     # embedding, residual and MLP dropout while training (NumPy: 0 only)
     attn_dropout: float = 0.0   # dropout of the attention probabilities (NumPy, kernel="triton": 0 only)
     kernel: str = "torch"    # DAMCHA attention: "torch" (Eq. 5 product + SDPA) | "triton" (damcha_triton.py, fused)
-    # The 2x2 study (issue 15; PyTorch only, NumPy keeps the defaults):
+    # The 2x2 study (PyTorch only, NumPy keeps the defaults):
     qk: str = "slice"        # DAMCHA's queries and keys: "slice", Eq. 5's q_i = x_i m_i, k_i = x_i;
                              # "proj", MHA's projections with the metric: q_i = (u W_q^T)_i m_i, k_i = (u W_k^T)_i
     metric_init: str = "normal"  # "normal": N(0, 0.02) as every weight; "identity": m_i = I at init

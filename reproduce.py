@@ -1,5 +1,5 @@
 """
-reproduce.py: the paper's character-level comparison (issue 7), MHA against DCMHA, DAMCHA and
+reproduce.py: the paper's character-level comparison, MHA against DCMHA, DAMCHA and
 DAMCHA's ablations at equal parameter count, several seeds each, scored on the full splits.
 
     python reproduce.py                           # bundled Shakespeare, 5 variants x 3 seeds, on the CPU
@@ -40,11 +40,12 @@ checkpoint exists but is not yet evaluated resumes from it. The train_char setti
 (seed, out_dir, init_from, mode, snapshot_iters, always_save_checkpoint; in the study,
 learning_rate and min_lr) are refused as flags.
 
-The 2x2 study (issue 15, --study=2x2): what in DAMCHA helps or hurts, at MHA's parameter count.
-Variants (STUDY below): mha; damcha (own slice, adaptive: the paper's model); static (own slice,
-one identity-initialised metric per layer, MLP width solved); proj (MHA's projections with the
-shared adaptive metric, identity-initialised, DAMCHA's generator width, MLP width solved);
-damcha_full (gen_out=full, the paper's Table 3 model, also evaluated with blocks=diag and offdiag).
+The 2x2 study (--study=2x2): what in DAMCHA helps or hurts, at MHA's parameter count.
+Variants (STUDY below): mha; damcha (own slice, adaptive, folded as train_char runs it); static
+(own slice, one identity-initialised metric per layer, MLP width solved); proj (MHA's projections
+with the shared adaptive metric, identity-initialised, DAMCHA's generator width, MLP width solved);
+damcha_full (gen_out=full, the paper's form and its Table 3 model, also evaluated with blocks=diag
+and offdiag).
     python reproduce.py --study=2x2 --regime=lr      # LR sweep (--lr_grid, 1 seed), held-out slice of train
     python reproduce.py --study=2x2 --regime=i       # one pass (1,860 iters), 5 seeds at the chosen rates
     python reproduce.py --study=2x2 --regime=ii      # 6,000 iters (~3 passes) with dropout 0.1, 5 seeds
@@ -79,13 +80,13 @@ VARIANTS = dict(mha=dict(attn='mha'), dcmha=dict(attn='dcmha'), damcha=dict(attn
                 damcha_unshared=dict(attn='damcha', share=False))
 OPTIONS = dict(dataset='shakespeare', seeds=3, variants=','.join(VARIANTS), max_iters=0, device='auto',
                results='', out_root='', snapshot='damcha-seed1', study='', regime='i', lr_grid='1e-3,2e-3,4e-3')
-# The 2x2 study (issue 15, --study=2x2): how queries and keys are formed (own slice, or projected)
+# The 2x2 study (--study=2x2): how queries and keys are formed (own slice, or projected)
 # x whether the metric is static or adaptive, each at MHA's parameter count, plus the paper's
 # Table 3 model. `trade` names the width solved for MHA's count: the generator's, or the MLP's
 # (the projected adaptive metric keeps own-slice DAMCHA's generator width and gives MLP width).
 STUDY = dict(
     mha=dict(fields=dict(attn='mha'), trade=None),                   # projected, static (m absorbed in W_q)
-    damcha=dict(fields=dict(attn='damcha'), trade='gen_width'),      # own slice, adaptive: the paper's model
+    damcha=dict(fields=dict(attn='damcha'), trade='gen_width'),      # own slice, adaptive, folded
     static=dict(fields=dict(attn='damcha', adaptive=False, share=False, metric_init='identity'), trade='mlp_hidden'),
     proj=dict(fields=dict(attn='damcha', qk='proj', metric_init='identity'), trade='mlp_hidden'),
     damcha_full=dict(fields=dict(attn='damcha', gen_out='full'), trade='gen_width'),   # Table 3, also eval diag/offdiag
@@ -146,7 +147,7 @@ def parse_options(argv):
         if opts['study'] and key in ('learning_rate', 'min_lr'):
             die(f"--{key}: the study takes each variant's rate from its LR sweep (--regime=lr, --lr_grid)")
     if opts['study'] not in ('', '2x2'):
-        die(f"study must be '' (issue 7's sweep) or '2x2', not {opts['study']!r}")
+        die(f"study must be '' (the character-level sweep) or '2x2', not {opts['study']!r}")
     if opts['regime'] not in REGIMES:
         die(f"regime must be one of {', '.join(REGIMES)}, not {opts['regime']!r}")
     table = STUDY if opts['study'] else VARIANTS
