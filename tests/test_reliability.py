@@ -77,9 +77,9 @@ def iters(path):
 # History: a kill and a resume neither repeat nor lose a line
 
 def test_sigkill_then_resume_gives_the_uninterrupted_history(tmp_path, data_dir):
-    """Killed 5 iterations past its checkpoint at 20, with train_log.jsonl and log.jsonl already
-    past it, the resumed run ends with the very logs of a run never killed: one line per iteration
-    and per evaluation, the same losses bit for bit."""
+    """Killed 5 iterations past its checkpoint at 20, with train_log.jsonl already past it, the
+    resumed run ends with the very logs of a run never killed: one line per iteration and per
+    evaluation, the same losses bit for bit."""
     common = [*TINY, f'--data_dir={data_dir}', '--eval_interval=20', '--max_iters=40']
     tc.main([*common, f'--out_dir={tmp_path / "whole"}'])
     out = tmp_path / 'killed'
@@ -96,6 +96,49 @@ def test_sigkill_then_resume_gives_the_uninterrupted_history(tmp_path, data_dir)
     assert iters(out / 'log.jsonl') == [0, 20, 40]
     assert [e['val_loss'] for e in tc.read_jsonl(out / 'log.jsonl')] == \
            [e['val_loss'] for e in tc.read_jsonl(tmp_path / 'whole' / 'log.jsonl')]
+
+
+KILLED_INSIDE_THE_SECOND_SAVE = """
+import io, os, signal, sys, torch
+import train_char
+real_save, saves = torch.save, []
+def save(obj, f, *args, **kwargs):   # the second checkpoint: half of its bytes reach the disk, then SIGKILL
+    saves.append(f)
+    if len(saves) < 2:
+        return real_save(obj, f, *args, **kwargs)
+    whole = io.BytesIO()
+    real_save(obj, whole, *args, **kwargs)
+    f.write(whole.getvalue()[:len(whole.getvalue()) // 2])
+    f.flush()
+    os.fsync(f.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)
+torch.save = save
+train_char.main(sys.argv[1:])
+"""
+
+
+def test_sigkill_inside_a_save_leaves_the_last_checkpoint_and_a_resume_the_whole_history(tmp_path, data_dir):
+    """Killed halfway through writing its checkpoint at 40, after log.jsonl took iteration 40's
+    evaluation: ckpt.pt is still the whole checkpoint at 20, and the half-written one is the dead
+    process's temporary file. The resume cuts log.jsonl back to the checkpoint, removes that file,
+    and ends with the very logs of a run never killed."""
+    common = [*TINY, f'--data_dir={data_dir}', '--eval_interval=20', '--max_iters=60']
+    tc.main([*common, f'--out_dir={tmp_path / "whole"}'])
+    out = tmp_path / 'killed'
+    killed = subprocess.run([sys.executable, '-c', KILLED_INSIDE_THE_SECOND_SAVE, *common, f'--out_dir={out}'],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    half = glob.glob(str(out / 'ckpt.pt.*.tmp'))
+    assert len(half) == 1 and 0 < os.path.getsize(half[0]) < os.path.getsize(tmp_path / 'whole' / 'ckpt.pt') * 0.6
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 20
+    assert iters(out / 'log.jsonl') == [0, 20, 40]   # the evaluation past the checkpoint
+    result = cli(f'--out_dir={out}', '--init_from=resume')
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not glob.glob(str(out / '*.tmp'))
+    for name in ('log.jsonl', 'train_log.jsonl'):
+        again, whole = tc.read_jsonl(out / name), tc.read_jsonl(tmp_path / 'whole' / name)
+        assert [e['iter'] for e in again] == [e['iter'] for e in whole]
+        assert [e.get('loss', e.get('val_loss')) for e in again] == [e.get('loss', e.get('val_loss')) for e in whole]
 
 
 def test_torn_last_line_is_dropped_and_said_a_bad_middle_line_is_an_error(tmp_path, data_dir, capsys):
@@ -132,6 +175,8 @@ def test_a_second_run_is_refused_and_the_lock_dies_with_the_first(tmp_path, data
         second = cli(f'--out_dir={out}', '--init_from=resume', '--max_iters=100001')
         last = one_line_error(second, f'{out} is in use by another training run (pid {first.pid}, started ')
         assert 'command: python train_char.py' in last and f'--out_dir={out}' in last
+        fresh = cli(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}')   # refused before it reaches the lock
+        one_line_error(fresh, f'{out}/ckpt.pt exists: continue it with --init_from=resume')
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()

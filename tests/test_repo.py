@@ -6,6 +6,7 @@
 - Every relative link in the tracked Markdown files (README.md, docs/*.md, ...) points at a file
   or folder tracked by git, and a link to a heading (file.md#anchor) at a heading that exists.
 - Every function docs/model.md's equation index names is in the file of its column.
+- Every test that README.md or docs/*.md names in backticks is a test function of tests/.
 
     python -m pytest -q tests/test_repo.py
 
@@ -223,3 +224,20 @@ def test_the_equation_index_names_code_that_exists():
                             if not re.search(rf"\b{re.escape(part)}\b", source)][:1]
     assert names > 50 and len(rows) >= 14
     assert not missing, "docs/model.md's index names what its file lacks:\n" + "\n".join(missing)
+
+
+def test_every_test_the_docs_name_exists():
+    """README.md and docs/*.md back their promises with tests named in backticks (`test_prompts_are_bytes`):
+    each such name must be a test function of tests/, so that a rename cannot leave a promise
+    pointing at nothing."""
+    defined = {name for path in tracked_files() if path.startswith("tests/") and path.endswith(".py")
+               for name in re.findall(r"^def (test_\w+)", read_text(path), re.MULTILINE)}
+    named, missing = 0, []
+    for path in tracked_files():
+        if path == "README.md" or (path.startswith("docs/") and path.endswith(".md")):
+            for n, line in enumerate(read_text(path).splitlines(), 1):
+                for name in re.findall(r"`(test_\w+)`", line):
+                    named += 1
+                    missing += [f"{path}:{n}: {name}"] if name not in defined else []
+    assert named > 20
+    assert not missing, "tests named in the docs that tests/ does not define:\n" + "\n".join(missing)

@@ -172,6 +172,12 @@ def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys):
     lr_summary.write_text(json.dumps(lr))
     with pytest.raises(SystemExit, match='ran with block_size=64, not 32'):
         reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', '--block_size=32', *study])
+    mha_run = tmp_path / 'results' / 'study2x2' / 'i' / 'mha-seed1.eval.json'
+    recorded = mha_run.read_text()
+    mha_run.write_text(json.dumps(json.loads(recorded) | {'seed': 2}))   # another seed's run under this name
+    with pytest.raises(SystemExit, match='mha-seed1 ran with seed=2, not 1'):
+        reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', *study])
+    mha_run.write_text(recorded)
     other = tmp_path / 'results' / 'study2x2' / 'i' / 'damcha-seed1.eval.json'   # a variant this process does not run
     other.write_text(json.dumps(json.loads(other.read_text()) | {'params': 123}))
     with pytest.raises(SystemExit, match='damcha-seed1 ran with params=123, not '):
