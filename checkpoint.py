@@ -26,7 +26,7 @@ from contextlib import nullcontext
 
 import torch
 
-from configurator import die
+from configurator import die, problem
 from damcha_torch import GPT, GPTConfig
 
 HELD = []   # this process's lock on its training run's out_dir (lock_out_dir), while the run lasts
@@ -60,6 +60,9 @@ def load_checkpoint(out_dir):
     if not (isinstance(vocab, list) and vocab and len(set(vocab)) == len(vocab)
             and all(type(b) is int and 0 <= b < 256 for b in vocab)):
         die(f"{path} is damaged: vocab should be a list of distinct byte values")
+    vocab_size = ckpt['model_args'].get('vocab_size')
+    if type(vocab_size) is int and len(vocab) > vocab_size:   # its type is checked with the other settings
+        die(f"{path} is damaged: its vocab has {len(vocab)} symbols, more than the model's vocab_size={vocab_size}")
     # bytes overwritten inside a tensor still load: say so now, not as a diverging loss later
     state = [t for s in ckpt['optimizer'].get('state', {}).values() if isinstance(s, dict) for t in s.values()]
     if not all(torch.isfinite(t).all() for t in [*ckpt['model'].values(), *state]
@@ -154,19 +157,35 @@ def why(e):
 # ---------------------------------------------------------------------------------------------
 # A run's model, device and precision
 
-def check_run_settings(cfg):
-    """The settings every script that runs a model checks alike: out_dir names a folder (several,
-    comma-separated, for a plot), and the seed is one torch and numpy both take."""
+def settings_problem(cfg, ranges):
+    """What is wrong with a run's settings, in one line, or None; every script that runs a model
+    checks them alike, those given and those a checkpoint saved: ranges = (choices, positive,
+    non_negative) as configure() takes them; out_dir names a folder (several, comma-separated, for
+    a plot); the seed is one torch and numpy both take; Adam's rates, in a script that has them."""
+    wrong = problem(cfg, *ranges)
+    if wrong:
+        return wrong
     if not [d for d in cfg['out_dir'].split(',') if d.strip()]:
-        die(f"out_dir={cfg['out_dir']!r} names no folder")
+        return f"out_dir={cfg['out_dir']!r} names no folder"
     if not 0 <= cfg['seed'] < 2**32:   # torch.manual_seed takes seed + rank, numpy up to 2**32 - 1
-        die(f"seed={cfg['seed']} must be a whole number from 0 to 2**32 - 1")
+        return f"seed={cfg['seed']} must be a whole number from 0 to 2**32 - 1"
+    for key in ('beta1', 'beta2'):   # Adam's moment decay rates
+        if key in cfg and not 0 <= cfg[key] < 1:
+            return f"{key}={cfg[key]} must be at least 0 and below 1, e.g. 0.9"
+    return None
 
 
-def from_checkpoint(ckpt, cfg, given, keep=('mode', 'init_from', 'out_dir')):
+def check_run_settings(cfg, ranges):
+    wrong = settings_problem(cfg, ranges)
+    if wrong:
+        die(wrong)
+
+
+def from_checkpoint(ckpt, cfg, given, ranges, keep=('mode', 'init_from', 'out_dir')):
     """The run's saved settings, overridden by those given now (and by keep, which are never
     taken from a checkpoint); model fields too, as long as the weights still fit (say
-    --blocks=diag to ablate a trained model). Returns (settings, model_args)."""
+    --blocks=diag to ablate a trained model). The saved ones are checked as flags are (ranges:
+    settings_problem's). Returns (settings, model_args)."""
     saved = {k: v for k, v in ckpt['config'].items() if k in cfg and k not in given and k not in keep}
     fields = {k: v for k, v in ckpt['model_args'].items() if k in cfg and k not in given}   # the model's own copy
     wrong = sorted({k for k, v in [*saved.items(), *fields.items()]
@@ -176,6 +195,9 @@ def from_checkpoint(ckpt, cfg, given, keep=('mode', 'init_from', 'out_dir')):
             "are not of their setting's type")
     merged = cfg | saved
     model_args = {k: merged[k] if k in given else v for k, v in ckpt['model_args'].items()}
+    wrong = settings_problem(merged | model_args, ranges)   # those given passed already: a saved one fails
+    if wrong:
+        die(f"{os.path.join(cfg['out_dir'], 'ckpt.pt')} is damaged: a setting it saved fails its check ({wrong})")
     return merged | model_args, model_args
 
 
@@ -189,11 +211,14 @@ def model_config(model_args):
 def pick_device(name, local_rank):
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
-    kind = name.split(':')[0]
-    if kind not in ('cpu', 'cuda', 'mps'):
+    kind, colon, index = name.partition(':')
+    if kind not in ('cpu', 'cuda', 'mps') or (colon and not (kind == 'cuda' and index.isdigit())):
         die(f"device must be auto, cpu, cuda, cuda:N or mps, not {name!r}")
     if not {'cpu': True, 'cuda': torch.cuda.is_available(), 'mps': torch.backends.mps.is_available()}[kind]:
         die(f"device={name}, but this machine has no {kind.upper()} device")
+    if colon and int(index) >= torch.cuda.device_count():
+        die(f"device={name}, but this machine has {torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+            f"cuda:{torch.cuda.device_count() - 1}")
     return f'cuda:{local_rank}' if name == 'cuda' else name
 
 
@@ -216,7 +241,8 @@ def autocast_for(device, dtype):
     if dtype == 'auto':
         dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if kind == 'cuda' else 'float32'
     if dtype == 'float16' and kind != 'cuda':
-        die("dtype=float16 needs a CUDA device (its GradScaler is CUDA-only); use bfloat16 or float32")
+        die("dtype=float16 runs on a CUDA device only here (training it needs CUDA's GradScaler); "
+            "use bfloat16 or float32")
     if dtype == 'float32':
         return dtype, nullcontext()
     return dtype, torch.autocast(device_type=kind, dtype=getattr(torch, dtype))
@@ -225,14 +251,31 @@ def autocast_for(device, dtype):
 def build_model(model_args, ckpt=None):
     model = GPT(model_config(model_args))
     if ckpt is not None:
+        check_fit(model_args, ckpt)
         try:
             model.load_state_dict(ckpt['model'])
         except (RuntimeError, KeyError, TypeError) as e:
-            saved = ckpt['model_args']
-            changed = [f"{k}={v!r} (the checkpoint's: {saved.get(k)!r})" for k, v in model_args.items()
-                       if saved.get(k) != v]
-            if changed:   # settings given now, in a config file or a flag, override the saved ones
-                die(f"the checkpoint's weights do not fit the model with {', '.join(changed)}: settings given "
-                    "in config files and flags override the checkpoint's; give the run's own, or none")
-            die(f"the checkpoint's weights do not fit the model ({str(e)[:300]})")
+            unfit(model_args, ckpt, str(e)[:300])
     return model
+
+
+def check_fit(model_args, ckpt):
+    """Whether the checkpoint's weights fit GPT(model_args): the same names and shapes, compared on
+    the meta device (no memory, a few ms), so that a resume whose settings no longer fit the weights
+    is refused before the data are loaded or the run's settings printed."""
+    with torch.device('meta'):
+        want = {k: tuple(v.shape) for k, v in GPT(model_config(model_args)).state_dict().items()}
+    have = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in ckpt['model'].items()}
+    differ = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
+    if differ:
+        unfit(model_args, ckpt, f"{len(differ)} of its tensors, e.g. {differ[0]}: saved {have.get(differ[0])}, "
+                                f"the model's {want.get(differ[0])}")
+
+
+def unfit(model_args, ckpt, detail):
+    saved = ckpt['model_args']
+    changed = [f"{k}={v!r} (the checkpoint's: {saved.get(k)!r})" for k, v in model_args.items() if saved.get(k) != v]
+    if changed:   # settings given now, in a config file or a flag, override the saved ones
+        die(f"the checkpoint's weights do not fit the model with {', '.join(changed)}: settings given "
+            "in config files and flags override the checkpoint's; give the run's own, or none")
+    die(f"the checkpoint's weights do not fit the model ({detail})")

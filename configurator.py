@@ -51,15 +51,25 @@ def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=No
                 die(f"unknown setting {key!r} in {arg}" + (f"; did you mean {close[0]!r}?" if close else ''))
             config[key] = typed(key, value, type(defaults[key]), from_text)
             given.add(key)
+    wrong = problem(config, choices, positive, non_negative)
+    if wrong:
+        die(wrong)
+    return config, given
+
+
+def problem(config, choices=None, positive=(), non_negative=()):
+    """What is wrong with config's values, in one line, or None: a value outside its choices, or a
+    number that is not finite, not positive or negative. configure() checks the settings given;
+    a resumed run checks the ones its checkpoint saved the same way."""
     for key, allowed in (choices or {}).items():
         if config[key] not in allowed:
-            die(f"{key} must be one of {', '.join(map(str, allowed))}, not {config[key]!r}")
+            return f"{key} must be one of {', '.join(map(str, allowed))}, not {config[key]!r}"
     for key in tuple(positive) + tuple(non_negative):
         if not math.isfinite(config[key]):   # nan passes every comparison below; inf reaches the libraries
-            die(f"{key} must be a finite number, not {config[key]}")
+            return f"{key} must be a finite number, not {config[key]}"
         if config[key] < 0 or (config[key] == 0 and key in positive):
-            die(f"{key} must be {'positive' if key in positive else 'zero or more'}, not {config[key]}")
-    return config, given
+            return f"{key} must be {'positive' if key in positive else 'zero or more'}, not {config[key]}"
+    return None
 
 
 def read_config_file(path):

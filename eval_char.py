@@ -61,12 +61,13 @@ SAMPLING = ('start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k')
 CHOICES = dict(mode=('eval', 'sample', 'plot'), dtype=('auto', 'float32', 'bfloat16', 'float16'))
 POSITIVE = ('batch_size', 'num_samples', 'temperature', 'block_size')
 NON_NEGATIVE = ('stride', 'max_new_tokens', 'top_k', 'vocab_size')
+RANGES = (CHOICES, POSITIVE, NON_NEGATIVE)
 LN2 = math.log(2)
 
 
 def load_for_inference(cfg, given):
     ckpt = load_checkpoint(cfg['out_dir'])
-    cfg, model_args = from_checkpoint(ckpt, cfg, given, keep=('mode', 'out_dir', 'compile', *SAMPLING))
+    cfg, model_args = from_checkpoint(ckpt, cfg, given, RANGES, keep=('mode', 'out_dir', 'compile', *SAMPLING))
     device = pick_device(cfg['device'], 0)
     dtype, ctx = autocast_for(device, cfg['dtype'])
     check_kernel(model_args['kernel'], device, dtype)
@@ -147,8 +148,8 @@ def plot(cfg, given):
 
 
 def main(argv):
-    cfg, given = configure(DEFAULTS, argv, CHOICES, POSITIVE, NON_NEGATIVE, doc=__doc__)
-    check_run_settings(cfg)
+    cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__)
+    check_run_settings(cfg, RANGES)
     try:
         dict(eval=evaluate, sample=sample, plot=plot)[cfg['mode']](cfg, given)
     except OSError as e:   # an unwritable plot_file, a full disk: the system's own one-line reason

@@ -4,6 +4,8 @@ DAMCHA's ablations at equal parameter count, several seeds each, scored on the f
 
     python reproduce.py                           # bundled Shakespeare, 5 variants x 3 seeds, on the CPU
     python reproduce.py --seeds=5 --variants=mha,damcha --max_iters=4000
+                                  # --max_iters=0 (the default): 10,000 on shakespeare, the config
+                                  # files' on the other datasets, the regime's in the study
     python reproduce.py --dataset=text8 --device=cuda      # enwik8, text8, mix: for a GPU
     python reproduce.py --n_layer=2 --batch_size=8         # any other --key=value goes to train_char.py
 
@@ -150,6 +152,9 @@ def parse_options(argv):
         die(f"study must be '' (the character-level sweep) or '2x2', not {opts['study']!r}")
     if opts['regime'] not in REGIMES:
         die(f"regime must be one of {', '.join(REGIMES)}, not {opts['regime']!r}")
+    for key in ('regime', 'lr_grid'):   # without --study they would be dropped, and the long sweep run instead
+        if key in given and not opts['study']:
+            die(f"--{key} is the 2x2 study's: add --study=2x2")
     table = STUDY if opts['study'] else VARIANTS
     if opts['study'] and 'variants' not in given:
         opts['variants'] = ','.join(STUDY)
@@ -170,6 +175,13 @@ def parse_options(argv):
         if not grid or not all(math.isfinite(r) and r > 0 for r in grid):
             die(f"lr_grid={opts['lr_grid']!r}: give positive learning rates, comma-separated, e.g. 1e-3,2e-3,4e-3")
         opts['lr_grid'] = sorted(grid)   # parsed once, here
+    if 'snapshot' in given and opts['snapshot']:   # a name that matches no run would keep no snapshots
+        names = [v for v in opts['variants'].split(',') if v]
+        tags = ([f'lr{lr:g}' for lr in opts['lr_grid']] if opts['study'] and opts['regime'] == 'lr'
+                else [f'seed{s}' for s in range(1, opts['seeds'] + 1)])
+        if opts['snapshot'] not in {f'{v}-{t}' for v in names for t in tags}:
+            die(f"snapshot={opts['snapshot']!r} names no run of these settings (runs are named like "
+                f"{names[0]}-{tags[0]}); give one, or --snapshot= for none")
     pick_device(opts['device'], 0)     # a device this machine lacks is refused before any download
     return opts, passthrough
 

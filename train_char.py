@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from checkpoint import (DIVERGED, HELD, append_jsonl, autocast_for, build_model, check_kernel, check_run_settings, from_checkpoint,
+from checkpoint import (DIVERGED, HELD, append_jsonl, autocast_for, build_model, check_fit, check_kernel, check_run_settings, from_checkpoint,
                         load_checkpoint, lock_out_dir, model_config, pick_device, read_jsonl, why)
 from configurator import configure, die
 from damcha_torch import GPT, GPTConfig, get_lr
@@ -92,9 +92,10 @@ DEFAULTS.update({f.name: MODEL_DEFAULTS.get(f.name, f.default) for f in dataclas
 CHOICES = dict(mode=('train', 'config'), init_from=('scratch', 'resume'),
                dtype=('auto', 'float32', 'bfloat16', 'float16'))
 POSITIVE = ('batch_size', 'gradient_accumulation_steps', 'eval_interval', 'eval_iters', 'log_interval',
-            'num_samples', 'temperature', 'learning_rate', 'block_size')
-NON_NEGATIVE = ('max_iters', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'weight_decay', 'grad_clip',
+            'num_samples', 'temperature', 'learning_rate', 'block_size', 'max_iters')
+NON_NEGATIVE = ('warmup_iters', 'lr_decay_iters', 'min_lr', 'weight_decay', 'grad_clip',
                 'max_new_tokens', 'top_k', 'vocab_size')
+RANGES = (CHOICES, POSITIVE, NON_NEGATIVE)
 LN2 = math.log(2)
 
 
@@ -103,15 +104,12 @@ LN2 = math.log(2)
 
 def parse_config(argv):
     """Defaults, then each config file or --key=value in order. Returns (config, keys given)."""
-    cfg, given = configure(DEFAULTS, argv, CHOICES, POSITIVE, NON_NEGATIVE, doc=__doc__)
+    cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__)
     try:   # a dataset config file names its runs' folders after the model: out-enwik8-{attn}
         cfg['out_dir'] = cfg['out_dir'].format(**cfg)
     except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
         die(f"out_dir={cfg['out_dir']!r}: braces must hold a setting's name, as in out-enwik8-{{attn}} ({e!r})")
-    check_run_settings(cfg)
-    for key in ('beta1', 'beta2'):   # Adam's moment decay rates
-        if not 0 <= cfg[key] < 1:
-            die(f"{key}={cfg[key]} must be at least 0 and below 1, e.g. 0.9")
+    check_run_settings(cfg, RANGES)
     return cfg, given
 
 
@@ -261,7 +259,8 @@ def resumed(cfg, given):
     """A resumed run's (settings, model fields, checkpoint): the checkpoint's settings overridden
     by those given, checked as the run needs them."""
     ckpt = load_checkpoint(cfg['out_dir'])
-    cfg, model_args = from_checkpoint(ckpt, cfg, given)
+    cfg, model_args = from_checkpoint(ckpt, cfg, given, RANGES)
+    check_fit(model_args, ckpt)
     if ckpt['iter_num'] >= cfg['max_iters']:
         die(f"the checkpoint is at iter {ckpt['iter_num']} and max_iters={cfg['max_iters']}: "
             "raise max_iters to train further")
@@ -474,15 +473,16 @@ def train_step(run):
 
 
 def finish(run):
-    """The summary line and a sample from the trained model."""
+    """The summary line and num_samples samples from the trained model."""
     print(f"done: iter {run.iter_num}, {time.time() - run.t_run:.0f} s; best val loss {run.best_val:.4f} "
           f"({run.best_val / LN2:.4f} bpc)")
     run.raw_model.eval()
     torch.manual_seed(run.cfg['seed'])
     with run.ctx:
-        out = run.raw_model.generate(torch.tensor([run.prompt], device=run.device), run.cfg['max_new_tokens'],
-                                     run.cfg['temperature'], run.cfg['top_k'] or None)
-    print('sample:\n' + decode(out[0].tolist(), run.vocab))
+        out = run.raw_model.generate(torch.tensor([run.prompt] * run.cfg['num_samples'], device=run.device),
+                                     run.cfg['max_new_tokens'], run.cfg['temperature'], run.cfg['top_k'] or None)
+    for row in out.tolist():
+        print('sample:\n' + decode(row, run.vocab))
 
 
 @torch.no_grad()
@@ -582,7 +582,6 @@ def show_config(cfg, given):
     that is neither named nor a file) is refused."""
     if cfg['init_from'] == 'resume':
         cfg, model_args, ckpt = resumed(cfg, given)
-        build_model(model_args, ckpt)
     model_config({k: cfg[k] for k in MODEL_KEYS} | {'vocab_size': cfg['vocab_size'] or 1})
     corpora(cfg['dataset'], cfg['data_dir'])
     print(json.dumps(cfg, indent=2))

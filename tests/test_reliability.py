@@ -298,6 +298,9 @@ def test_settings_are_checked_where_they_are_parsed(tmp_path, data_dir):
     assert 'seed=4294967296' in fails(f'--seed={2**32}')
     assert "out_dir=',' names no folder" in fails('--mode=plot', '--out_dir=,', main=ec.main)
     assert "out_dir='' names no folder" in fails('--out_dir=')
+    for device in ('cpu:abc', 'cuda:x', 'mps:1'):
+        assert f"device must be auto, cpu, cuda, cuda:N or mps, not '{device}'" in fails(f'--device={device}')
+    assert 'max_iters must be positive, not 0' in fails('--max_iters=0')
     assert 'learning_rate must be a finite number, not inf' in fails('--learning_rate=1e999')
     assert "end it in a format" in fails('--mode=plot', f'--out_dir={tmp_path}', '--plot_file=bpc', main=ec.main)
     assert not os.path.exists(tmp_path / 'never')
@@ -367,7 +370,8 @@ def test_damcha_numpy_checks_before_training_and_stops_on_a_non_finite_loss(tmp_
 def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, data_dir):
     """A checkpoint that loads but holds a wrong-typed or negative count, a non-finite weight or optimizer
     moment (bytes overwritten inside a tensor), a weight too few or too many, a vocabulary that is
-    not byte values or a wrong-typed saved setting, is one line at resume, and never changed."""
+    not byte values or longer than the embedding, a wrong-typed saved setting or one of the right
+    type that no flag may have (batch_size=0), is one line at resume, and never changed."""
     good = tmp_path / 'good'
     tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={good}', '--eval_interval=4', '--max_iters=4'])
     ckpt = torch.load(good / 'ckpt.pt', weights_only=True)
@@ -387,6 +391,14 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
     damaged['setting'] = dict(ckpt, config=dict(ckpt['config'], learning_rate='x'))
     damaged['setting_bool'] = dict(ckpt, config=dict(ckpt['config'], warmup_iters=True))
     damaged['setting_model'] = dict(ckpt, model_args=dict(ckpt['model_args'], n_layer='2'))
+    ranges = dict(range_batch=('batch_size', 0, 'batch_size must be positive, not 0'),
+                  range_eval=('eval_interval', 0, 'eval_interval must be positive, not 0'),
+                  range_beta=('beta1', 1.5, 'beta1=1.5 must be at least 0 and below 1'),
+                  range_seed=('seed', -1, 'seed=-1 must be a whole number'))
+    for name, (key, value, _) in ranges.items():   # the right type, a value no flag may have
+        damaged[name] = dict(ckpt, config=dict(ckpt['config'], **{key: value}))
+    unused = next(b for b in range(256) if b not in vocab)
+    damaged['vocab_longer'] = dict(ckpt, vocab=vocab + [unused])   # more symbols than the embedding has rows
     for name, bad in damaged.items():
         (tmp_path / name).mkdir()
         torch.save(bad, tmp_path / name / 'ckpt.pt')
@@ -394,6 +406,10 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
         message = fails('--init_from=resume', f'--out_dir={tmp_path / name}', f'--data_dir={data_dir}', '--max_iters=8')
         if name in ('missing', 'extra'):
             assert "the checkpoint's weights do not fit the model" in message, message
+        elif name in ranges:
+            assert f'is damaged: a setting it saved fails its check ({ranges[name][2]}' in message, message
+        elif name == 'vocab_longer':
+            assert f"its vocab has {len(vocab) + 1} symbols, more than the model's vocab_size={len(vocab)}" in message
         elif name.startswith('vocab'):
             assert 'is damaged: vocab should be a list of distinct byte values' in message, message
         elif name.startswith('setting'):
@@ -403,6 +419,8 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
             assert 'is damaged: ' + ('it holds weights or optimizer state that are not finite' if name in ('weight', 'moment')
                                      else f'{name} should be numbers of at least 0') in message, message
         assert digest(tmp_path / name / 'ckpt.pt') == before
+    message = fails('--mode=eval', f"--out_dir={tmp_path / 'range_batch'}", main=ec.main)   # eval_char checks alike
+    assert 'is damaged: a setting it saved fails its check (batch_size must be positive, not 0)' in message
 
 
 def test_a_damaged_random_state_is_one_line_at_resume(tmp_path, data_dir):

@@ -223,6 +223,21 @@ def test_settings_reproduce_sets_for_each_run_are_refused():
     assert reproduce.parse_options(['--learning_rate=1e-3'])[1] == {'learning_rate': '1e-3'}   # the sweep takes it
 
 
+def test_options_that_would_be_dropped_are_refused():
+    """An option that would change nothing is refused, not dropped: the study's options without
+    --study (which would start the long sweep instead), a --snapshot that names no run."""
+    for args, words in ((['--regime=ii'], '--regime is the 2x2 study\'s: add --study=2x2'),
+                        (['--lr_grid=9'], '--lr_grid is the 2x2 study\'s: add --study=2x2'),
+                        (['--snapshot=bogus'], "snapshot='bogus' names no run of these settings (runs are named like mha-seed1)"),
+                        (['--snapshot=damcha-seed4'], "names no run of these settings"),
+                        (['--study=2x2', '--regime=lr', '--snapshot=mha-seed1'], "(runs are named like mha-lr0.001)")):
+        with pytest.raises(SystemExit, match=re.escape(words)):
+            reproduce.parse_options(args)
+    assert reproduce.parse_options(['--snapshot=damcha-seed3'])[0]['snapshot'] == 'damcha-seed3'
+    assert reproduce.parse_options(['--study=2x2', '--regime=lr', '--snapshot=proj-lr0.002'])[0]['snapshot'] == 'proj-lr0.002'
+    assert reproduce.parse_options(['--snapshot='])[0]['snapshot'] == ''
+
+
 @pytest.mark.slow
 def test_study_2x2_lr_sweep_then_regime_i(tmp_path, in_process):
     """--study=2x2: the LR sweep trains on the training split's own 90/5/5 split (never val) at the

@@ -453,8 +453,9 @@ def test_command_line_train_resume_sample(tmp_path, data_dir, capsys):
     assert 'sample:' in result.stdout and ' tokens/s' in result.stdout
     assert 'mfu' not in result.stdout   # a GPU's peak: not printed for a CPU run
 
-    result = cli(*common, '--init_from=resume', '--max_iters=90')
+    result = cli(*common, '--init_from=resume', '--max_iters=90', '--num_samples=2')
     assert result.returncode == 0, result.stderr
+    assert result.stdout.count('sample:\n') == 2, result.stdout[-500:]   # --num_samples
     assert [e['iter'] for e in tc.read_jsonl(out / 'log.jsonl')] == [0, 30, 60, 90]
     rates = [e['lr'] for e in tc.read_jsonl(out / 'train_log.jsonl')]
     assert len(rates) == 90 and rates[0] < rates[10] > rates[89]   # warm-up, then decay
@@ -466,6 +467,10 @@ def test_command_line_train_resume_sample(tmp_path, data_dir, capsys):
     for more, words in (([], 'raise max_iters'), (['--max_iters=120', '--n_embd=64'], 'do not fit the model with n_embd=64')):
         with pytest.raises(SystemExit, match=words):   # refused, as the resume itself would be
             tc.main(['--init_from=resume', f'--out_dir={out}', '--mode=config', *more])
+    capsys.readouterr()
+    assert 'do not fit the model with n_embd=64' in fails('--init_from=resume', f'--out_dir={out}', '--max_iters=120',
+                                                          '--n_embd=64')
+    assert capsys.readouterr().out == ''   # before the data are loaded and the settings printed
 
     result = cli('--mode=sample', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=40', '--num_samples=2',
                  script='eval_char.py')
