@@ -1,8 +1,9 @@
 """
 bench_triton_gpu.py: the one-shot GPU check of the Triton DAMCHA attention (damcha_triton.py):
 correctness, speed and memory against the torch path, one JSON line per measurement, in under 6
-minutes on one H200 with the default flags (each section stops starting rows at its time budget
-and says what it skipped; a row already started runs to its end).
+minutes on one H200 with the default flags: each section stops starting rows at its time budget
+and says what it skipped (a row already started runs to its end), and no section starts a row
+past --budget_total seconds from the start, the train rows included.
 
     python bench_triton_gpu.py              # one CUDA GPU
     python bench_triton_gpu.py --smoke      # tiny shapes on the CPU through Triton's interpreter:
@@ -41,10 +42,12 @@ Rows (kind=...), in order:
           under torch.profiler, its total device time and the kernels that took most of it (CPU
           time on a CPU), to say where one path's step is slower than another's.
   train   `python train_char.py <train_configs> --max_iters=30` on the bundled Shakespeare
-          (compile on, bf16), with --kernel=triton and on the torch path: exit status, wall time
-          and the last loss line.
-A row whose measurement raised (an implementation in the op rows, a profile) has error="..." in
-place of its numbers, and the check goes on.
+          (compile on, bf16), with --kernel=triton, then on the torch path if the budget allows
+          (a row took 83-85 s on the last run: with the default budgets only the first runs;
+          --budget_check=0 --budget_op=0 --budget_model=0 --budget_train=200 runs both): exit
+          status, wall time and the last loss line.
+A row whose measurement raised (an implementation in the op rows, a model step, the gradient
+agreement, a profile) has error="..." in place of its numbers, and the check goes on.
 tests/test_triton.py imports make_inputs and torch_path from here; importing this module runs nothing.
 """
 import json
@@ -72,7 +75,9 @@ DEFAULTS = dict(
     train_configs='config/enwik8.py,config/damcha.py',   # comma-separated config files for the train rows
     train_iters=30,
     budget_check=80, budget_op=60, budget_model=100, budget_train=40,   # seconds per section
+    budget_total=300,             # seconds for the whole check: no row starts later (one started may run ~40 s on)
 )
+TRAIN_ROW_S = 100                 # what a train row needs at least: 83-85 s on the last H200 run
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # dense, per device name
 
 
@@ -154,9 +159,11 @@ def forward_backward(op, x, m, v, do):
 
 
 class Budget:
-    """A section's time budget: over() says when to stop, and the section reports what it skipped."""
-    def __init__(self, seconds):
-        self.end = time.time() + seconds
+    """A section's time budget, ending at `seconds` from now or at the whole check's deadline,
+    whichever is first: over() says when to stop, and the section reports what it skipped."""
+    def __init__(self, seconds, deadline=math.inf):
+        self.end = min(time.time() + seconds, deadline)
+        self.deadline = deadline
 
     def over(self):
         return time.time() > self.end
@@ -227,45 +234,61 @@ def tuned_configs():
     return {k.fn.__name__: str(getattr(k, "best_config", None)) for k in kernels}
 
 
+def op_plan(ops, dtypes):
+    """(metric, dtype, impls) in the order the op rows run them: per-token metrics first (the
+    model's), the kernels and the torch path in each dtype before torch_compiled, whose two cold
+    compiles must not cut the float32 row, then the static metric (no torch_compiled there: a
+    GPT with a static metric runs the torch path whatever its kernel setting). torch_compiled in the first dtype only on a GPU: a
+    compiled model trains in bf16."""
+    plain, plan = [impl for impl in ops if impl != "torch_compiled"], []
+    for metric, static in METRICS.items():          # per-token first
+        plan += [(metric, dtype, plain) for dtype in dtypes]
+        if "torch_compiled" in ops and not static:
+            plan += [(metric, dtype, ["torch_compiled"]) for dtype in (dtypes[:1] if DEVICE == "cuda" else dtypes)]
+    return plan
+
+
 def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
     B, H, T, dh = shape
-    for metric, static in METRICS.items():          # per-token first: the model's metric
-        for dtype in dtypes:
-            row = dict(kind="op", dtype=str(dtype)[6:], metric=metric, B=B, H=H, T=T, dh=dh)
-            if budget.over():
-                emit(**row, skipped="time budget")
-                continue
-            x, m, v, do = make_inputs(B, H, T, dh, static, dtype=dtype)
-            torch._dynamo.reset()   # torch_compiled compiles afresh: earlier rows' graphs count to the recompile limit
-            ms = {}
-            for impl, op in ops.items():
-                if impl == "torch_compiled" and dtype == torch.float32 and DEVICE == "cuda":
-                    continue    # a compiled model trains in bf16: its compile time goes to the rows that matter
-                try:
-                    with torch.no_grad():
-                        fwd = time_ms(lambda: op(x, m, v))
-                    ms[impl] = fwd, time_ms(lambda: forward_backward(op, x, m, v, do))
-                except Exception as e:  # torch_compiled has not yet run on a GPU: report it, time the others
-                    emit(**row, impl=impl, error=failure(e))
-            m_bytes = m.numel() * m.element_size()
-            if not static:
-                # a reference for the bandwidth on m: torch's own reduction reading m once (a
-                # reference, not a bound: a kernel may read faster)
-                read = m_bytes / time_ms(lambda: m.sum(dtype=torch.float32)) * 1e3
-                emit(**row, impl="read_m", m_GBps=round(read / 1e9, 1),
-                     m_bandwidth_vs_peak=None if peak_bandwidth is None else round(read / peak_bandwidth, 3))
-            base = ms.get("torch", (None, None))   # None when the torch path itself failed
-            for impl, (fwd, fwd_bwd) in ms.items():
-                bandwidth = m_bytes / fwd * 1e3
-                emit(**row, impl=impl, fwd_ms=round(fwd, 3), fwd_bwd_ms=round(fwd_bwd, 3),
-                     fwd_speedup_vs_torch=base[0] and round(base[0] / fwd, 3),
-                     fwd_bwd_speedup_vs_torch=base[1] and round(base[1] / fwd_bwd, 3),
-                     **({} if static else dict(
-                         m_GBps=round(bandwidth / 1e9, 1),
-                         m_bandwidth_vs_peak=None if peak_bandwidth is None else round(bandwidth / peak_bandwidth, 3),
-                         m_bandwidth_vs_read=round(bandwidth / read, 3))),
-                     peak_mib=peak_mib(lambda: forward_backward(ops[impl], x, m, v, do)),
-                     **(dict(configs=tuned_configs()) if impl == "triton" else {}))
+    base, read = {}, {}   # per dtype and metric: the torch path's times, a plain read of m
+    for metric, dtype, impls in op_plan(ops, dtypes):
+        static, key = METRICS[metric], (dtype, metric)
+        row = dict(kind="op", dtype=str(dtype)[6:], metric=metric, B=B, H=H, T=T, dh=dh)
+        if budget.over():
+            emit(**row, **({"impl": impls[0]} if impls == ["torch_compiled"] else {}), skipped="time budget")
+            continue
+        x, m, v, do = make_inputs(B, H, T, dh, static, dtype=dtype)
+        torch._dynamo.reset()   # torch_compiled compiles afresh: earlier rows' graphs count to the recompile limit
+        ms = {}
+        for impl in impls:
+            try:
+                with torch.no_grad():
+                    fwd = time_ms(lambda: ops[impl](x, m, v))
+                ms[impl] = fwd, time_ms(lambda: forward_backward(ops[impl], x, m, v, do))
+            except Exception as e:  # torch_compiled has not yet run on a GPU: report it, time the others
+                emit(**row, impl=impl, error=failure(e))
+        m_bytes = m.numel() * m.element_size()
+        if not static and key not in read:
+            # a reference for the bandwidth on m: torch's own reduction reading m once (a
+            # reference, not a bound: a kernel may read faster)
+            read[key] = m_bytes / time_ms(lambda: m.sum(dtype=torch.float32)) * 1e3
+            emit(**row, impl="read_m", m_GBps=round(read[key] / 1e9, 1),
+                 m_bandwidth_vs_peak=None if peak_bandwidth is None else round(read[key] / peak_bandwidth, 3))
+        if "torch" in ms:
+            base[key] = ms["torch"]
+        torch_fwd, torch_fwd_bwd = base.get(key, (None, None))   # None when the torch path itself failed
+        for impl, (fwd, fwd_bwd) in ms.items():
+            bandwidth = m_bytes / fwd * 1e3
+            emit(**row, impl=impl, fwd_ms=round(fwd, 3), fwd_bwd_ms=round(fwd_bwd, 3),
+                 fwd_speedup_vs_torch=torch_fwd and round(torch_fwd / fwd, 3),
+                 fwd_bwd_speedup_vs_torch=torch_fwd_bwd and round(torch_fwd_bwd / fwd_bwd, 3),
+                 **({} if static else dict(
+                     m_GBps=round(bandwidth / 1e9, 1),
+                     m_bandwidth_vs_peak=None if peak_bandwidth is None else round(bandwidth / peak_bandwidth, 3),
+                     m_bandwidth_vs_read=round(bandwidth / read[key], 3))),
+                 peak_mib=peak_mib(lambda: forward_backward(ops[impl], x, m, v, do)),
+                 **(dict(configs=tuned_configs()) if impl == "triton" else {}))
+        del x, m, v, do
 
 
 def profile_step(step, top=8):
@@ -381,7 +404,10 @@ def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
     variants = {"mha": mha, "damcha/torch": dict(damcha, kernel="torch"), "damcha/triton": dict(damcha, kernel="triton")}
     idx = torch.randint(fields["vocab_size"], (B, fields["block_size"]), generator=torch.Generator().manual_seed(0))
     idx = idx.to(DEVICE)
-    grad_agreement(damcha, idx)
+    try:   # a model that fails (an inductor error, a shortage of memory) is a row: the train rows still run
+        grad_agreement(damcha, idx)
+    except Exception as e:
+        emit(kind="model", name="grad_agreement", error=failure(e))
     steps = {}
     for compiled in (False, True):
         for name, variant in variants.items():
@@ -389,7 +415,11 @@ def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
             if budget.over() or (compiled and DEVICE != "cuda"):
                 emit(**row, skipped="time budget" if DEVICE == "cuda" else "no GPU")
                 continue
-            timing, steps[name, compiled] = step_row(variant, idx, compiled, peak_flops)
+            try:
+                timing, steps[name, compiled] = step_row(variant, idx, compiled, peak_flops)
+            except Exception as e:
+                emit(**row, error=failure(e))
+                continue
             emit(**row, **timing)
     for (name, compiled), step in steps.items() if profile else ():
         row = dict(kind="profile", name=name, compiled=compiled, B=B)
@@ -421,15 +451,17 @@ def train_rows(config_files, iters, smoke, budget):
     # smoke: the triton path only (tests/test_train.py runs the torch one), a 1-layer model
     for kernel in ("triton",) if smoke else ("triton", "torch"):   # the kernel first: the budget may stop the second
         row = dict(kind="train", kernel=kernel, configs=config_files, iters=iters)
-        if budget.over():
+        left = budget.deadline - time.time()
+        if budget.over() or (not smoke and left < TRAIN_ROW_S):
             emit(**row, skipped="time budget")
             continue
         with tempfile.TemporaryDirectory() as out_dir:
             env = dict(os.environ, TRITON_INTERPRET="1") if smoke else os.environ
             start = time.time()
-            try:    # a row that starts is given 2 minutes at least: the last H200 run's took 83-85 s
+            try:    # a row that starts is given 2 minutes if the whole check's deadline allows
                 done = subprocess.run(train_argv(config_files, iters, smoke, kernel, out_dir), capture_output=True,
-                                      text=True, env=env, cwd=HERE, timeout=max(120.0, budget.end - time.time() + 30))
+                                      text=True, env=env, cwd=HERE,
+                                      timeout=min(max(120.0, budget.end - time.time() + 30), max(left, 1.0)))
             except subprocess.TimeoutExpired:
                 emit(**row, skipped="time budget: stopped", wall_s=round(time.time() - start, 1))
                 continue
@@ -438,8 +470,10 @@ def train_rows(config_files, iters, smoke, budget):
 
 
 def main(argv):
+    t0 = time.time()
     cfg, _ = configure(DEFAULTS, argv, choices={"gen_out": ("full", "folded")},
-                       positive=("n_layer", "n_head", "n_embd", "block_size", "batch_size", "train_iters"), doc=__doc__)
+                       positive=("n_layer", "n_head", "n_embd", "block_size", "batch_size", "train_iters",
+                                 "budget_total"), doc=__doc__)
     smoke = cfg["smoke"]
     if DEVICE == "cpu" and not smoke:
         die("no CUDA GPU: run with --smoke to check the script on the CPU")
@@ -462,7 +496,7 @@ def main(argv):
     import triton
     from damcha_triton import damcha_attention
 
-    t0 = time.time()
+    deadline = t0 + cfg["budget_total"] * (3 if smoke else 1)   # the CPU is slower
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor() or "cpu"
     peak_bandwidth = peak_flops = None
     if DEVICE == "cuda":
@@ -484,7 +518,7 @@ def main(argv):
         op_shape = (8, 12, 1024, 64)
         fields = dict(vocab_size=65, **{k: cfg[k] for k in ("block_size", "n_layer", "n_head", "n_embd")})
         B = cfg["batch_size"]
-    budget = Budget(cfg["budget_check"])
+    budget = Budget(cfg["budget_check"], deadline)
     if smoke:
         check_large_offsets(damcha_attention, budget, shape=(1, 2, 40, 8, 16), dtype=torch.float32)
     else:
@@ -492,10 +526,10 @@ def main(argv):
     checks(damcha_attention, check_shapes, dtypes, budget)
     # torch_compiled: the torch path as a compiled model runs it, q = x m as inductor generates it
     ops = {"torch": torch_path, "torch_compiled": compile_on_device(torch_path, dynamic=False), "triton": damcha_attention}
-    op_rows(ops, op_shape, dtypes, peak_bandwidth, Budget(cfg["budget_op"]))
-    model_rows(fields, B, peak_flops, Budget(cfg["budget_model"]), cfg["gen_out"], cfg["profile"])
+    op_rows(ops, op_shape, dtypes, peak_bandwidth, Budget(cfg["budget_op"], deadline))
+    model_rows(fields, B, peak_flops, Budget(cfg["budget_model"], deadline), cfg["gen_out"], cfg["profile"])
     train_rows(train_configs, train_iters, smoke,
-               Budget(3 * cfg["budget_train"] if smoke else cfg["budget_train"]))     # the CPU is slower
+               Budget(3 * cfg["budget_train"] if smoke else cfg["budget_train"], deadline))     # the CPU is slower
     emit(kind="done", wall_s=round(time.time() - t0, 1))
 
 

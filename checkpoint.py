@@ -219,7 +219,10 @@ def pick_device(name, local_rank):
     if colon and int(index) >= torch.cuda.device_count():
         die(f"device={name}, but this machine has {torch.cuda.device_count()} CUDA device(s), cuda:0 to "
             f"cuda:{torch.cuda.device_count() - 1}")
-    return f'cuda:{local_rank}' if name == 'cuda' else name
+    device = f'cuda:{local_rank}' if name == 'cuda' else name
+    if kind == 'cuda':   # the current device too: Triton launches on it, and the saved CUDA RNG state is its
+        torch.cuda.set_device(device)
+    return device
 
 
 def check_kernel(kernel, device, dtype):

@@ -295,8 +295,6 @@ def start_processes(cfg, model_args, ckpt):
     check_kernel(model_args['kernel'], device, dtype)
     if ddp:
         dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-        if device.startswith('cuda'):
-            torch.cuda.set_device(device)
     return Run(cfg, model_args, ckpt, ddp, rank, local_rank, world, cfg['gradient_accumulation_steps'] // world,
                device, dtype, ctx, snapshots=snapshots, iter_num=ckpt['iter_num'] if ckpt else 0,
                saved_iter=ckpt['iter_num'] if ckpt else None)   # known from here, for a Ctrl-C message

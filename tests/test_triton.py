@@ -26,6 +26,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -535,3 +536,22 @@ def test_offsets_past_2_to_31_cuda():
     dm and dx of bench_triton_gpu's last-rows check (an output gradient on the last 16 positions)."""
     err = last_rows_errors(damcha_attention, 1, 24, 8192, 128, 16, torch.bfloat16)
     assert last_rows_ok(err), err
+
+
+def test_bench_budgets_end_at_the_whole_checks_deadline(monkeypatch, capsys):
+    """No section of bench_triton_gpu.py starts a row past --budget_total: a section's budget ends
+    at the deadline if that comes first, a train row is not started with less than a row's time
+    left, and the op rows time torch_compiled only after the plain rows of both dtypes."""
+    import bench_triton_gpu as bench
+    now = time.time()
+    assert bench.Budget(60, deadline=now - 1).over() and not bench.Budget(60).over()
+    assert bench.Budget(60, deadline=now + 10).end <= now + 10 < bench.Budget(60, deadline=math.inf).end
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: pytest.fail("a train row started past the deadline"))
+    bench.train_rows(["config/enwik8.py"], 30, False, bench.Budget(60, deadline=time.time() + bench.TRAIN_ROW_S - 5))
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["kernel"], r["skipped"]) for r in rows] == [("triton", "time budget"), ("torch", "time budget")]
+    monkeypatch.setattr(bench, "DEVICE", "cuda")
+    plan = bench.op_plan({"torch": 0, "torch_compiled": 0, "triton": 0}, [torch.bfloat16, torch.float32])
+    assert plan == [("per_token", torch.bfloat16, ["torch", "triton"]), ("per_token", torch.float32, ["torch", "triton"]),
+                    ("per_token", torch.bfloat16, ["torch_compiled"]),
+                    ("static", torch.bfloat16, ["torch", "triton"]), ("static", torch.float32, ["torch", "triton"])]
