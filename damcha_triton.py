@@ -47,6 +47,9 @@ LOG2E = math.log2(math.e)     # the kernels use exp2: exp(s) = exp2(s * log2(e))
 MAX_DH = 128                  # beyond this the (BLOCK, DH) float32 tiles outgrow the registers
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")   # as Triton reads it
 M_STAGES = 3                  # tiles of m in flight in the loops over its rows (software pipelining), by default
+# the interpreter's one config: BLOCK and the forward's M_STAGES; DAMCHA_INTERPRETER_CONFIG=64,6 runs
+# a GPU's tile on a CPU (tests/test_triton.py checks the GPU's block sizes so, at every precision)
+INTERPRETER_CONFIG = tuple(int(n) for n in os.environ.get("DAMCHA_INTERPRETER_CONFIG", f"16,{M_STAGES}").split(","))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,13 +65,15 @@ M_STAGES = 3                  # tiles of m in flight in the loops over its rows 
 # program (5 ahead, not 2) in the same registers and shared memory, since its buffers reuse those of
 # the attention loop, which holds 6 such tiles (3 stages of a key and a value tile; the test checks
 # that the resources match).
-# Under the interpreter, one config, with blocks of 16 so that small tests cross several blocks.
+# Under the interpreter, one config, with blocks of 16 so that small tests cross several blocks
+# (INTERPRETER_CONFIG), whatever the dtype.
 
 def _configs(*options):
     """(BLOCK, num_warps, num_stages) or, for the forward, (BLOCK, num_warps, num_stages, M_STAGES)
     -> triton.Configs."""
     if INTERPRETED:
-        options = [(16, 1, 1, M_STAGES)[:len(options[0])]]
+        block, m_stages = INTERPRETER_CONFIG
+        options = [(block, 1, 1, m_stages)[:len(options[0])]]
     configs = []
     for block, warps, stages, *m_stages in options:
         meta = {"BLOCK": block}
@@ -82,7 +87,10 @@ def _keep_for_dtype(configs, named_args, **kwargs):
     """The configs for x's dtype and the padded head size DH: BLOCK >= 64 for 16-bit, <= 32 for
     float32; at DH = 128 only the configs that fit the registers (BLOCK = 64 over 8 warps for
     16-bit, BLOCK = 16 for float32; ptxas spills the others, tests/test_sm90_compile.py). A
-    static metric is not streamed: only the configs with the default M_STAGES."""
+    static metric is not streamed: only the configs with the default M_STAGES. The interpreter's
+    one config is kept, as it is there to check any tile at any precision."""
+    if INTERPRETED:
+        return configs
     wide = named_args["x_ptr"].dtype.itemsize == 4
     kept = [c for c in configs if (c.kwargs["BLOCK"] <= 32) == wide]
     if not kwargs.get("PER_TOKEN", True):

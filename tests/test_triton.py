@@ -555,3 +555,23 @@ def test_bench_budgets_end_at_the_whole_checks_deadline(monkeypatch, capsys):
     assert plan == [("per_token", torch.bfloat16, ["torch", "triton"]), ("per_token", torch.float32, ["torch", "triton"]),
                     ("per_token", torch.bfloat16, ["torch_compiled"]),
                     ("static", torch.bfloat16, ["torch", "triton"]), ("static", torch.float32, ["torch", "triton"])]
+
+
+@pytest.mark.parametrize("config", ["64,6", "128,3"])
+def test_the_gpus_block_sizes_in_the_interpreter(config):
+    """The interpreter runs blocks of 16; a GPU runs 64 or 128 (with 3 or 6 tiles of m in flight).
+    The same kernels at those sizes, in float32 against float64, at T = 150 (3 or 2 blocks, the
+    last partial) and dh = 12 (padded to 16), both kinds of metric: run in a fresh process, since
+    the interpreter's config is fixed when damcha_triton is imported."""
+    code = ("import bench_triton_gpu, test_triton\n"
+            "for static in (False, True):\n"
+            "    test_triton.check_against_float64(*bench_triton_gpu.make_inputs(1, 2, 150, 12, static))\n"
+            "import damcha_triton\n"
+            "print([c.kwargs for c in damcha_triton._attn_fwd.configs])\n")
+    root = os.path.dirname(damcha_triton.__file__)
+    env = dict(os.environ, TRITON_INTERPRET="1", DAMCHA_INTERPRETER_CONFIG=config,
+               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    block, m_stages = config.split(",")
+    assert done.stdout.strip() == f"[{{'BLOCK': {block}, 'M_STAGES': {m_stages}}}]", done.stdout   # the tile asked for
