@@ -29,7 +29,9 @@ Rows (kind=...), in order:
           inductor fuses it, as in a compiled model), ratios to the torch path; with per-token metrics, the forward's effective
           bandwidth on m (bytes of m / forward time) against the device's peak and against a plain
           read of m (impl=read_m: torch's sum over m, a reference for one read of m, not a bound);
-          the configs autotuning chose for the kernels.
+          the configs autotuning chose for the kernels, and (vs_torch) the kernels' output and
+          gradients against the torch path's at this shape, where autotuning may choose a config
+          that no check row ran.
   model   one training step (forward, backward, fused AdamW; bf16 autocast as train_char.py) of
           the GPT at B=8, T=1024, D=768, H=12 (--batch_size, --block_size, --n_embd, --n_head,
           --n_layer, and DAMCHA's --gen_out): MHA, DAMCHA on the torch path and on Triton (its
@@ -259,7 +261,7 @@ def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
             continue
         x, m, v, do = make_inputs(B, H, T, dh, static, dtype=dtype)
         torch._dynamo.reset()   # torch_compiled compiles afresh: earlier rows' graphs count to the recompile limit
-        ms = {}
+        ms, reference = {}, None
         for impl in impls:
             try:
                 with torch.no_grad():
@@ -276,10 +278,14 @@ def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
                  m_bandwidth_vs_peak=None if peak_bandwidth is None else round(read[key] / peak_bandwidth, 3))
         if "torch" in ms:
             base[key] = ms["torch"]
+            reference = forward_backward(ops["torch"], x, m, v, do)
         torch_fwd, torch_fwd_bwd = base.get(key, (None, None))   # None when the torch path itself failed
         for impl, (fwd, fwd_bwd) in ms.items():
             bandwidth = m_bytes / fwd * 1e3
-            emit(**row, impl=impl, fwd_ms=round(fwd, 3), fwd_bwd_ms=round(fwd_bwd, 3),
+            # the output and gradients against the torch path's, at this shape and the config chosen for it
+            agree = None if impl == "torch" or "torch" not in ms else {
+                n: rel_err(a, b) for n, a, b in zip(("o", "dx", "dm", "dv"), forward_backward(ops[impl], x, m, v, do), reference)}
+            emit(**row, impl=impl, fwd_ms=round(fwd, 3), fwd_bwd_ms=round(fwd_bwd, 3), vs_torch=agree,
                  fwd_speedup_vs_torch=torch_fwd and round(torch_fwd / fwd, 3),
                  fwd_bwd_speedup_vs_torch=torch_fwd_bwd and round(torch_fwd_bwd / fwd_bwd, 3),
                  **({} if static else dict(
@@ -288,7 +294,7 @@ def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
                      m_bandwidth_vs_read=round(bandwidth / read[key], 3))),
                  peak_mib=peak_mib(lambda: forward_backward(ops[impl], x, m, v, do)),
                  **(dict(configs=tuned_configs()) if impl == "triton" else {}))
-        del x, m, v, do
+        del x, m, v, do, reference
 
 
 def profile_step(step, top=8):

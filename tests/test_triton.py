@@ -316,6 +316,8 @@ def test_bench_triton_gpu_smoke():
     assert {row["impl"] for row in ops} == impls   # on a GPU, float32 rows (all smoke has) skip torch_compiled
     assert all(row["m_GBps"] > 0 if row["impl"] == "read_m" else row["fwd_ms"] > 0 for row in ops)
     assert all("BLOCK" in config for row in ops if row["impl"] == "triton" for config in row["configs"].values())
+    kernel_rows = [row for row in ops if row["impl"] == "triton"]
+    assert kernel_rows and all(max(row["vs_torch"].values()) < 1e-4 for row in kernel_rows)   # float32
     assert [row["rc"] for row in rows if row["kind"] == "train"] == [0]
     assert next(row for row in rows if row.get("name") == "matmul")["ms"] > 0
     profiled = [row for row in rows if row["kind"] == "profile"]
@@ -398,6 +400,7 @@ def test_bench_rows_compute_what_they_name(monkeypatch, capsys):
     assert rows["read_m"]["m_GBps"] == 512.0 and rows["read_m"]["m_bandwidth_vs_peak"] == 0.125
     assert (rows["torch"]["m_GBps"], rows["torch"]["m_bandwidth_vs_peak"], rows["torch"]["m_bandwidth_vs_read"]) == (2048.0, 0.5, 4.0)
     assert (rows["fake"]["fwd_speedup_vs_torch"], rows["fake"]["fwd_bwd_speedup_vs_torch"], rows["fake"]["m_GBps"]) == (2.0, 1.5, 4096.0)
+    assert rows["torch"]["vs_torch"] is None and rows["fake"]["vs_torch"] == dict(o=0.0, dx=0.0, dm=0.0, dv=0.0)
 
     monkeypatch.setattr(bench, "time_ms", lambda fn, rep=60: 100.0)
     config = dict(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=16, gen_width=8)
