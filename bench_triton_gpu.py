@@ -240,8 +240,8 @@ def op_plan(ops, dtypes):
     """(metric, dtype, impls) in the order the op rows run them: per-token metrics first (the
     model's), the kernels and the torch path in each dtype before torch_compiled, whose two cold
     compiles must not cut the float32 row, then the static metric (no torch_compiled there: a
-    GPT with a static metric runs the torch path whatever its kernel setting). torch_compiled in the first dtype only on a GPU: a
-    compiled model trains in bf16."""
+    GPT with a static metric runs the torch path whatever its kernel setting). torch_compiled in
+    the first dtype only on a GPU: a compiled model trains in bf16."""
     plain, plan = [impl for impl in ops if impl != "torch_compiled"], []
     for metric, static in METRICS.items():          # per-token first
         plan += [(metric, dtype, plain) for dtype in dtypes]

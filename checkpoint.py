@@ -253,8 +253,7 @@ def autocast_for(device, dtype):
 
 def build_model(model_args, ckpt=None):
     model = GPT(model_config(model_args))
-    if ckpt is not None:
-        check_fit(model_args, ckpt)
+    if ckpt is not None:   # load_state_dict checks the names and shapes itself
         try:
             model.load_state_dict(ckpt['model'])
         except (RuntimeError, KeyError, TypeError) as e:
