@@ -500,11 +500,13 @@ def init_params(config, seed=0, dtype=np.float64):
     """nanoGPT's initialisation: weights N(0, 0.02), residual projections (attn.c_proj,
     mlp.c_proj) N(0, 0.02/sqrt(2 n_layer)), biases 0, LayerNorm 1 and 0.
 
-    The generator and the static metric use N(0, 0.02) weights and zero biases too. Then the
-    metrics m are small (entries ~1e-2 at the default config), every score S is close to 0 and
-    attention starts close to uniform, like MHA's at nanoGPT's init; but no generator weight
-    is zero, so every generator parameter gets a non-zero gradient at step 0 (a zero last
-    layer would cut the gradient to all layers before it). tests/test_numpy.py checks both."""
+    The generator and the static metric use N(0, 0.02) weights and zero biases too. Then a
+    generated m is small (rms 7e-3 at the default config: sums of products of small weights), every
+    score S is close to 0 and attention starts close to uniform, like MHA's at nanoGPT's init; a
+    static m (rms 0.04, the weights themselves) starts it further off (docs/model.md, choice 5).
+    No generator weight is zero, so every generator parameter gets a non-zero gradient at step 0
+    (a zero last layer would cut the gradient to all layers before it). tests/test_numpy.py
+    checks both."""
     rng = np.random.default_rng(seed)
     D, H, L = config.n_embd, config.n_head, config.n_layer
     std, proj_std = 0.02, 0.02 / math.sqrt(2 * L)

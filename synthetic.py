@@ -12,7 +12,7 @@ attention across four feature subspaces, one per head.
 Settings are --key=value (configurator.py): quick, out, workers, steps, batch, lr, n_layer, seeds,
 lambdas and dims (comma lists; empty skips the task).
 
-The paper's summary gives the tasks' structure but not their formulas; these are ours.
+The paper (Appendix I) describes the tasks' structure; the formulas below are ours, and the paper's may differ.
 
 Data. A sample is a sequence of T = 8 tokens x_1 .. x_T, i.i.d. N(0, I) in R^D, D = 4 d_e, each
 split into four subspaces x_t^(h) in R^{d_e}, h = 0..3 (coordinates h d_e .. (h+1) d_e - 1). A

@@ -255,10 +255,14 @@ def test_diag_plus_offdiag_is_all():
     assert not np.allclose(metrics["diag"], metrics["all"])
 
 
-def test_init_uniform_attention_and_live_generator():
-    """At init (default config sizes) attention is close to uniform, yet every generator
-    parameter receives a non-zero gradient."""
-    config = dn.GPTConfig(vocab_size=80)
+@pytest.mark.parametrize("fields, bound", [
+    (dict(), 0.25), (dict(attn="mha"), 0.25),                       # generator, MHA: close to uniform
+    (dict(adaptive=False, gen_out="folded"), 0.6), (dict(adaptive=False), 1.5),   # static: further off
+], ids=["generator", "mha", "static_folded", "static_full"])
+def test_init_uniform_attention_and_live_generator(fields, bound):
+    """At init (default config sizes) attention is within docs/model.md's bounds of uniform, yet
+    every generator parameter receives a non-zero gradient."""
+    config = dn.GPTConfig(vocab_size=80, **fields)
     params = dn.init_params(config, seed=0)
     r = np.random.default_rng(0)
     idx, targets = r.integers(0, config.vocab_size, (2, 4, config.block_size))
@@ -267,7 +271,7 @@ def test_init_uniform_attention_and_live_generator():
         A = block["attn"][2]["softmax"]                           # (B, H, T, T)
         T = config.block_size
         ratio = A * np.arange(1, T + 1)[:, None]                  # A[t, s] / (1 / (t + 1))
-        assert np.abs(ratio - 1)[..., np.tril(np.ones((T, T), dtype=bool))].max() < 0.25
+        assert np.abs(ratio - 1)[..., np.tril(np.ones((T, T), dtype=bool))].max() < bound
     grads = dn.backward(params, config, cache)
     for name in params:
         if name.startswith("gen."):
