@@ -15,7 +15,8 @@ sampling settings are this script's own. Settings: the defaults below, then conf
 
 eval scores every next-character target of a split exactly once: windows of block_size start every
 stride tokens (0: block_size, non-overlapping), and each scores only the targets not scored before,
-so with a stride below block_size every target sees at least block_size - stride tokens of context.
+so with a stride below block_size every target past the first window sees at least
+block_size - stride + 1 tokens of context.
 """
 import dataclasses
 import errno

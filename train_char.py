@@ -70,7 +70,7 @@ DEFAULTS = dict(
     lr_decay_iters=2000,          # set it with max_iters
     min_lr=2e-4,
     eval_interval=250,
-    eval_iters=10,                # batches per split for the loss estimates logged while training
+    eval_iters=10,                # batches (of an iteration's rows) per split for the loss estimates logged while training
     log_interval=10,
     always_save_checkpoint=True,  # False: save only when the val loss improves
     snapshot_iters='',            # e.g. 0,1000,5000: also keep the weights at these iterations,
@@ -486,19 +486,25 @@ def finish(run):
 @torch.no_grad()
 def estimate_loss(model, components, cfg, device, ctx):
     """Mean loss over eval_iters batches per split and component. The batches are the same at
-    every evaluation (their own generator, reseeded), so curves are not noisy from resampling."""
+    every evaluation (their own generator, reseeded), so curves are not noisy from resampling.
+    A batch is one iteration's rows, batch_size x gradient_accumulation_steps, scored in
+    micro-batches of batch_size: the estimate does not depend on how a run splits its rows
+    into micro-batches and processes."""
     model.eval()
     out = {}
+    rows, B = cfg['batch_size'] * cfg['gradient_accumulation_steps'], cfg['batch_size']
     for split in ('train', 'val'):
         per_component = {}
         for c in components:
             generator = torch.Generator().manual_seed(cfg['seed'])
             losses = []
             for _ in range(cfg['eval_iters']):
-                which, offsets = draw_rows([c], split, cfg['batch_size'], cfg['block_size'], generator)
-                with ctx:
-                    x, y = get_batch([c], split, which, offsets, cfg['block_size'], device)
-                    losses.append(model(x, y)[1].item())
+                which, offsets = draw_rows([c], split, rows, cfg['block_size'], generator)
+                for first in range(0, rows, B):
+                    with ctx:
+                        x, y = get_batch([c], split, which[first:first + B], offsets[first:first + B],
+                                         cfg['block_size'], device)
+                        losses.append(model(x, y)[1].item())
             per_component[c['name']] = sum(losses) / len(losses)
         out[f'{split}_loss'] = sum(per_component.values()) / len(components)
         if len(components) > 1:

@@ -1,5 +1,5 @@
 """
-DAMCHA at the paper's scale, for one GPU; it follows a dataset file:
+DAMCHA at a one-GPU scale (the paper's GPT-2 size is larger: docs/model.md); it follows a dataset file:
 
     python train_char.py config/enwik8.py config/damcha.py     # also config/text8.py, config/mix.py
 

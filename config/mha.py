@@ -1,5 +1,5 @@
 """
-The MHA baseline at the paper's scale, for one GPU; it follows a dataset file:
+The MHA baseline at a one-GPU scale (the paper's GPT-2 size is larger); it follows a dataset file:
 
     python train_char.py config/enwik8.py config/mha.py     # also config/text8.py, config/mix.py
 

@@ -22,6 +22,7 @@ source, checksum):
     PATH         any text file, read as bytes: its distinct bytes, 90 / 5 / 5, under data/<file stem>/
 Without a network, put enwik8.zip or text8.zip (from mattmahoney.net/dc/) in data/enwik8/ or data/text8/.
 """
+import errno
 import hashlib
 import http.client
 import json
@@ -128,6 +129,8 @@ def download(name, archive):
             f.flush()
             return unzip_verified(f.name, name, source)
     except (OSError, http.client.HTTPException) as e:   # urllib's URLError is an OSError
+        if getattr(e, 'errno', None) == errno.ENOSPC:   # writing the archive failed, not the download
+            die(f"no space left on the device for {archive} ({e}); free some and run again")
         die(f"could not download {url} ({e}); download it by hand and put it at {archive}")
     except ValueError as e:
         die(f"the download of {url} failed verification: {e}")
@@ -329,8 +332,8 @@ def split_loss(model, data, lut, cfg, device, ctx, desc=''):
     """Mean loss of model(x, y) -> (logits, _) over every next-token target of a split's ids `data`
     (all but its first token), as eval_char.py scores it; cfg: block_size, stride
     and batch_size. Windows of block_size start every `stride` tokens (0: block_size); each scores
-    only targets not scored before, so with a stride below block_size each target sees at least
-    block_size - stride tokens of context. Returns (mean loss in nats, number of targets)."""
+    only targets not scored before, so with a stride below block_size each target past the first
+    window sees at least block_size - stride + 1 tokens of context. Returns (mean loss in nats, number of targets)."""
     T, batch_size = cfg['block_size'], cfg['batch_size']
     stride = cfg['stride'] or T
     starts = list(range(0, len(data) - T, stride))

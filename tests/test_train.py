@@ -9,6 +9,7 @@ Most runs are in-process (tc.main) with a one-layer, 32-wide model; the command 
 torchrun included, runs as a subprocess where exit codes and tracebacks are the point.
 """
 import contextlib
+import errno
 import functools
 import hashlib
 import http.server
@@ -427,6 +428,29 @@ def test_a_dropped_download_leaves_nothing_behind(tmp_path, monkeypatch, cut):
     assert os.listdir(tmp_path / 'data' / 'enwik8') == []
 
 
+def test_a_full_disk_during_a_download_says_so(tmp_path, monkeypatch):
+    """The disk fills while the archive is written: one line that says so (not advice to download
+    the archive by hand), and no partial file left behind."""
+    make_corpora(str(tmp_path / 'zips'), monkeypatch)
+    class Response(io.BytesIO):
+        headers = {'Content-Length': str(2 << 20)}
+    monkeypatch.setattr(prep.urllib.request, 'urlopen', lambda url, timeout: Response(b'x' * (2 << 20)))
+    write = prep.atomic_write
+
+    @contextlib.contextmanager
+    def full_disk(path):
+        with write(path) as f:
+            def no_space(chunk):
+                raise OSError(errno.ENOSPC, 'No space left on device')
+            f.write = no_space
+            yield f
+    monkeypatch.setattr(prep, 'atomic_write', full_disk)
+    message = fails('--dataset=enwik8', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}')
+    assert message.startswith(f"error: no space left on the device for {tmp_path / 'data' / 'enwik8' / 'enwik8.zip'}")
+    assert 'by hand' not in message
+    assert os.listdir(tmp_path / 'data' / 'enwik8') == []
+
+
 def test_wrong_archive_is_reported_and_kept(corpora, monkeypatch):
     data, _ = corpora
     monkeypatch.setitem(prep.SOURCES, 'enwik8', dict(prep.SOURCES['enwik8'], size=10**8))
@@ -533,9 +557,22 @@ def test_estimate_loss_scores_each_split_on_its_own_tokens(tmp_path):
     class MeanTarget(torch.nn.Module):
         def forward(self, x, y):
             return None, y.double().mean()
-    cfg = dict(seed=0, eval_iters=3, batch_size=4, block_size=8)
+    cfg = dict(seed=0, eval_iters=3, batch_size=4, gradient_accumulation_steps=2, block_size=8)
     losses = tc.estimate_loss(MeanTarget(), components, cfg, 'cpu', contextlib.nullcontext())
     assert (losses['train_loss'], losses['val_loss'], losses['val_bpc']) == (0.0, 1.0, 1 / math.log(2))
+
+
+def test_micro_batches_change_neither_the_training_nor_the_estimates(tmp_path, data_dir):
+    """4 rows an iteration as one micro-batch or as two of 2: the same steps, and the same loss
+    estimates in log.jsonl (each evaluation scores one iteration's rows per batch)."""
+    common = [*TINY, f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=2', '--max_new_tokens=1']
+    run(*common, f'--out_dir={tmp_path / "one"}')
+    run(*common, '--batch_size=2', '--gradient_accumulation_steps=2', f'--out_dir={tmp_path / "two"}')
+    for log in ('train_log.jsonl', 'log.jsonl'):
+        one, two = (tc.read_jsonl(tmp_path / d / log) for d in ('one', 'two'))
+        for key in ('loss', 'train_loss', 'val_loss'):
+            if key in one[0]:
+                np.testing.assert_allclose([e[key] for e in two], [e[key] for e in one], rtol=1e-5)
 
 
 def test_a_resume_takes_this_runs_weight_decay_and_betas(tmp_path, data_dir, monkeypatch):
