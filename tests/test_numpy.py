@@ -377,6 +377,23 @@ def test_main_trains_and_samples(tmp_path):
     assert sum(p in corpus.read_text() for p in pairs) > 0.4 * len(pairs)
 
 
+def test_main_trains_on_the_first_nine_tenths_and_scores_the_last(tmp_path, monkeypatch, capsys):
+    """Every batch main draws comes from its split: training from the first 90% of the corpus, the
+    printed val loss from the last 10% (8 batches per evaluation)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(32, 127)) * 8)
+    drawn = []
+    get_batch = dn.get_batch
+    monkeypatch.setattr(dn, "get_batch", lambda data, *args: drawn.append(data) or get_batch(data, *args))
+    dn.main([f"--data={corpus}", "--iters=2", "--eval_every=1", "--n_layer=1", "--n_embd=8", "--n_head=2",
+             "--block_size=8", "--gen_width=4", "--batch_size=2", "--start=a"])
+    assert capsys.readouterr().out.count("val loss") == 3
+    data = dn.load_corpus(corpus)[0]
+    n = int(0.9 * len(data))
+    splits = ["val" if np.array_equal(d, data[n:]) else "train" if np.array_equal(d, data[:n]) else "?" for d in drawn]
+    assert splits == (["val"] * 8 + ["train"]) * 2 + ["val"] * 8
+
+
 def test_main_rejects_bad_flags(tmp_path):
     short = tmp_path / "short.txt"
     short.write_bytes(b"ROMEO: hi\n" * 3)

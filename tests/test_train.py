@@ -27,6 +27,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import checkpoint
 import data.prepare as prep
@@ -367,7 +368,8 @@ def test_download_is_verified_renamed_and_not_repeated(tmp_path, monkeypatch, se
     assert prep.prepare('enwik8', str(tmp_path / 'data'))['splits']['train'] == 3600
 
     monkeypatch.setitem(prep.SOURCES, 'text8', dict(prep.SOURCES['text8'], digest=('sha1', '0' * 40)))
-    message = fails('--dataset=text8', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}')
+    # --max_iters=1: a check that let the archive through would fail fast, not train a whole run
+    message = fails('--dataset=text8', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}', '--max_iters=1')
     assert 'failed verification' in message and 'sha1' in message
     assert os.listdir(tmp_path / 'data' / 'text8') == []   # neither the archive nor a partial one
 
@@ -454,7 +456,8 @@ def test_a_full_disk_during_a_download_says_so(tmp_path, monkeypatch):
 def test_wrong_archive_is_reported_and_kept(corpora, monkeypatch):
     data, _ = corpora
     monkeypatch.setitem(prep.SOURCES, 'enwik8', dict(prep.SOURCES['enwik8'], size=10**8))
-    message = fails('--dataset=enwik8', f'--data_dir={data}', f'--out_dir={data / "out"}')
+    # --max_iters=1: a check that let the archive through would fail fast, not train a whole run
+    message = fails('--dataset=enwik8', f'--data_dir={data}', f'--out_dir={data / "out"}', '--max_iters=1')
     assert 'expected 100,000,000 bytes' in message and 'delete it' in message
     assert message.startswith(f"error: {data / 'enwik8' / 'enwik8.zip'}: enwik8 is ")   # which file
     assert os.path.exists(data / 'enwik8' / 'enwik8.zip')
@@ -521,25 +524,40 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_dir):
 
 
 def test_each_step_follows_the_schedule_clips_and_keeps_the_best(tmp_path, data_dir, monkeypatch):
-    """Every iteration's learning rate is nanoGPT's schedule (written out here: linear warm-up,
-    cosine to min_lr, then min_lr), the gradients are clipped to grad_clip at every step, and with
-    always_save_checkpoint=False the checkpoint is the best evaluation's (losses set by hand)."""
+    """Every iteration's learning rate, logged and given to every parameter group of the optimizer,
+    is nanoGPT's schedule (written out here: linear warm-up, cosine to min_lr, then min_lr), or
+    learning_rate throughout with decay_lr=False; the gradients are clipped to grad_clip at every
+    step, and with always_save_checkpoint=False the checkpoint is the best evaluation's (losses
+    set by hand)."""
     val = iter([3.0, 2.0, 2.5, 2.2])   # the evaluations at iters 0, 4, 8 and 12
     monkeypatch.setattr(tc, 'estimate_loss', lambda *a: dict(train_loss=1.0, val_loss=(v := next(val)), val_bpc=v))
     norms = []
     clip = torch.nn.utils.clip_grad_norm_
     monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', lambda p, max_norm: norms.append(max_norm) or clip(p, max_norm))
+    stepped = []   # per optimizer step, the lr of each parameter group
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: stepped.append({g['lr'] for g in optimizer.param_groups}))
     out = tmp_path / 'out'
-    run(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=12', '--eval_interval=4',
-        '--warmup_iters=2', '--lr_decay_iters=10', '--learning_rate=1e-3', '--min_lr=1e-4',
-        '--always_save_checkpoint=False', '--grad_clip=0.5')
+    try:
+        run(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=12', '--eval_interval=4',
+            '--warmup_iters=2', '--lr_decay_iters=10', '--learning_rate=1e-3', '--min_lr=1e-4',
+            '--always_save_checkpoint=False', '--grad_clip=0.5')
+        schedule, stepped[:] = stepped[:], []
+        val = iter([3.0, 2.0, 1.0])   # the evaluations at iters 0, 2 and 3
+        run(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "flat"}', '--max_iters=3', '--eval_interval=2',
+            '--decay_lr=False', '--learning_rate=1e-3', '--min_lr=1e-4')
+    finally:
+        hook.remove()
     def lr(it):
         if it < 2:
             return 1e-3 * (it + 1) / 3
         return 1e-4 + 0.5 * (1 + math.cos(math.pi * min(it - 2, 8) / 8)) * 9e-4
     logged = [e['lr'] for e in tc.read_jsonl(out / 'train_log.jsonl')]
     assert logged == pytest.approx([lr(it) for it in range(12)], rel=1e-12)
-    assert norms == [0.5] * 12
+    assert [group_lrs.pop() for group_lrs in schedule if len(group_lrs) == 1] == logged   # one lr for all groups
+    assert [e['lr'] for e in tc.read_jsonl(tmp_path / 'flat' / 'train_log.jsonl')] == [1e-3] * 3
+    assert stepped == [{1e-3}] * 3
+    assert norms == [0.5] * 12 + [1.0] * 3   # the flat run clips at the default grad_clip
     ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
     assert (ckpt['iter_num'], ckpt['best_val_loss']) == (4, 2.0)
     val = iter([3.0, 2.0, 2.5])   # always_save_checkpoint=True: the last evaluation's weights, the best loss
