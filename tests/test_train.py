@@ -131,6 +131,24 @@ def test_config_types_files_and_order(tmp_path):
     assert given == {'batch_size', 'learning_rate', 'dataset', 'compile', 'beta2', 'start', 'n_layer'}
     assert all(f in tc.DEFAULTS for f in tc.MODEL_KEYS)   # every GPTConfig field is a setting
     assert tc.parse_config(['--compile'])[0]['compile'] is True   # a bare boolean flag sets it
+    later = tmp_path / 'd.py'
+    later.write_text('batch_size = 7\n')
+    # in the order given: a config file after a flag overrides it, and a later file an earlier one
+    assert tc.parse_config(['--batch_size=5', str(config_file)])[0]['batch_size'] == 3
+    assert tc.parse_config([str(config_file), str(later)])[0]['batch_size'] == 7
+    assert tc.parse_config([str(later), str(config_file)])[0]['batch_size'] == 3
+
+
+def test_a_whole_float_is_not_an_int_and_nan_is_not_a_number(tmp_path):
+    """An int setting refuses 3.0, from a flag or a file; a config file can give nan (a flag cannot:
+    its text is a Python literal), and a checked number refuses it."""
+    fast = f'--out_dir={tmp_path / "out"}', '--max_iters=1'   # a check that let it through fails fast
+    assert 'batch_size=3.0: expected int, not float' in fails('--batch_size=3.0', *fast)
+    for text, message in [('batch_size = 3.0', 'batch_size=3.0: expected int, not float'),
+                          ('learning_rate = float("nan")', 'learning_rate must be a finite number, not nan')]:
+        config_file = tmp_path / 'c.py'
+        config_file.write_text(text + '\n')
+        assert message in fails(str(config_file), *fast)
 
 
 def test_help_prints_the_docstring_and_every_default(capsys):
@@ -805,11 +823,32 @@ def test_sample_from_a_file_prompt(trained, tmp_path, capsys):
     assert capsys.readouterr().out == first   # the seed fixes the sample
 
 
+def test_auto_precision_is_float32_off_cuda():
+    for device in ('cpu', 'mps'):
+        dtype, ctx = checkpoint.autocast_for(device, 'auto')
+        assert dtype == 'float32' and isinstance(ctx, contextlib.nullcontext)
+    dtype, ctx = checkpoint.autocast_for('cpu', 'bfloat16')
+    assert dtype == 'bfloat16' and isinstance(ctx, torch.autocast) and ctx.fast_dtype == torch.bfloat16
+
+
 def test_plot_of_several_runs(trained, tmp_path):
     png = tmp_path / 'bpc.png'
     run_eval('--mode=plot', f'--out_dir={trained},{trained}', f'--plot_file={png}')
     with open(png, 'rb') as f:
         assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+    import matplotlib.pyplot as plt
+    log = tc.read_jsonl(trained / 'log.jsonl')
+    by_tokens, by_time = plt.gcf().axes   # val bpc against tokens, and against minutes: a line per run
+    for ax, x in ((by_tokens, [e['tokens'] for e in log]), (by_time, [e['time'] / 60 for e in log])):
+        assert len(ax.lines) == 2
+        for line in ax.lines:
+            assert list(line.get_xdata()) == x and list(line.get_ydata()) == [e['val_bpc'] for e in log]
+    plt.close('all')
+    for d in ('first', 'second'):
+        (tmp_path / d).mkdir()
+        shutil.copy(trained / 'log.jsonl', tmp_path / d)
+    run_eval('--mode=plot', f"--out_dir={tmp_path / 'first'},{tmp_path / 'second'}")   # no plot_file: the first run's folder
+    assert os.path.exists(tmp_path / 'first' / 'bpc.png') and not os.path.exists(tmp_path / 'second' / 'bpc.png')
     assert 'log.jsonl' in fails_eval('--mode=plot', f'--out_dir={tmp_path}')
     damaged = tmp_path / 'damaged'
     damaged.mkdir()
