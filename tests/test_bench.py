@@ -29,6 +29,17 @@ def test_equal_params_width_matches_mha_within_5_percent(gen_out, gen_depth):
     assert all(error(w) <= error(v) for v in (w - 1, w + 1) if v >= 1)     # the nearest width
 
 
+@pytest.mark.parametrize("gen_out", ["folded", "full"])
+def test_both_generator_outputs_are_at_mhas_parameter_count(gen_out):
+    """bench's damcha and damcha_<the other gen_out> rows: each its own width, MHA's count within 5%."""
+    group, _ = bench.groups(dict(bench.DEFAULTS, quick=True, gen_out=gen_out))
+    other = "full" if gen_out == "folded" else "folded"
+    mha = damcha_torch.count_params(group["mha"])
+    for name in ("damcha", f"damcha_{other}"):
+        assert abs(damcha_torch.count_params(group[name]) / mha - 1) < 0.05, name
+    assert group["damcha"]["gen_width"] != group[f"damcha_{other}"]["gen_width"]
+
+
 def test_equal_params_width_needs_a_width_to_trade():
     with pytest.raises(ValueError, match="no generator width"):
         damcha_torch.equal_params_width(10**9, dict(TINY, gen_depth=1))

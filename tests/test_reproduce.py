@@ -264,6 +264,8 @@ def test_study_2x2_lr_sweep_then_regime_i(tmp_path, in_process):
     assert rows['mha']['lr'] == lr['chosen_lr']['mha'] and rows['damcha_full']['runs'] == 1
     assert abs(rows['damcha_full']['rel_params_vs_mha']) < 0.02
     assert len(rows['damcha_full']['val_bpc_diag']) == len(rows['damcha_full']['val_bpc_offdiag']) == 1
+    [run_eval] = [json.loads(p.read_text()) for p in (tmp_path / 'results' / 'i').glob('damcha_full-*.eval.json')]
+    assert len({run_eval['val_bpc'], run_eval['val_bpc_diag'], run_eval['val_bpc_offdiag']}) == 3   # three models scored
     assert rows['mha']['diff_equal_steps'] == [0.0, None]
     assert in_process(args + ['--regime=i']).count('skip ') == 2
 
@@ -397,6 +399,17 @@ def write_run(results, run, val_bpc, log=()):
     (results / f'{run}.log.jsonl').write_text(''.join(
         json.dumps(dict(time=t, val_bpc=v, val_loss=v * math.log(2), train_loss=v * math.log(2) - 0.1)) + '\n'
         for t, v in log))
+
+
+def test_a_run_is_finished_once_its_eval_json_is_written(tmp_path, capsys):
+    """The eval JSON, written last, marks a finished run; a run with only its copied log is not."""
+    write_run(tmp_path, 'done', 2.0)
+    os.remove(tmp_path / 'done.log.jsonl')
+    assert reproduce.skip_finished('done', str(tmp_path / 'done.eval.json'), {})
+    assert 'skip done' in capsys.readouterr().out
+    write_run(tmp_path, 'half', 2.0)
+    os.remove(tmp_path / 'half.eval.json')
+    assert not reproduce.skip_finished('half', str(tmp_path / 'half.eval.json'), {})
 
 
 def test_lr_summary_chooses_once_the_whole_grid_is_done(tmp_path, capsys):
