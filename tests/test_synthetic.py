@@ -179,7 +179,7 @@ def test_train_loss_is_the_last_50_steps_and_both_models_share_seed_and_data(one
     reg = syn.regression_data(1.0, d_e=4, seed=0, n_train=256, n_test=64)
     recorded = []
     mse = syn.F.mse_loss
-    monkeypatch.setattr(syn.F, "mse_loss", lambda *a: recorded.append(float(r := mse(*a))) or r)
+    monkeypatch.setattr(syn.F, "mse_loss", lambda *a: recorded.append((r := mse(*a)).detach().item()) or r)
     row = syn.train("mha", reg, "regression", 0, steps=60, batch=16, lr=3e-3, n_layer=1)
     steps = recorded[:-1]                                            # the last call is the test MSE
     assert len(steps) == 60 and row["train_loss"] == pytest.approx(sum(steps[-50:]) / 50, rel=1e-12)
