@@ -156,8 +156,9 @@ def test_argument_checks():
 
 
 def test_head_sizes_up_to_the_limit_and_autocast(monkeypatch):
-    """dh = 128, the limit, runs; under autocast x, m and v are all cast to its dtype (emulated
-    here, float16 from float64 inputs, which the interpreter runs too)."""
+    """dh = 128, the limit, runs; under autocast x, m and v are all cast to its dtype, whichever
+    dtypes they come in (emulated here, float16 from float64 or mixed inputs, which the interpreter
+    runs too)."""
     x, m, v, do = make_inputs(1, 1, 5, 128, static=False)
     check_against_float64(x, m, v, do)
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type=None: True)
@@ -165,6 +166,24 @@ def test_head_sizes_up_to_the_limit_and_autocast(monkeypatch):
     x, m, v, do = make_inputs(1, 2, 20, 8, static=False, dtype=torch.float64)
     o = damcha_attention(x, m, v)
     assert o.dtype == torch.float16 and rel_err(o, torch_path(x, m, v)) < 5e-3
+    # as the model hands them over under autocast: x from a LayerNorm in float32, m from a linear in float16
+    o = damcha_attention(x.float(), m.half(), v.half())
+    assert o.dtype == torch.float16 and rel_err(o, torch_path(x, m, v)) < 5e-3
+
+
+def test_autotuning_keeps_the_configs_that_fit(monkeypatch):
+    """On a GPU (not the interpreter's one config): blocks of 64 or more for 16-bit, of 32 or less
+    for float32; at dh = 128 only those that compile without spills (tests/test_sm90_compile.py);
+    6 tiles of m in flight for per-token metrics only."""
+    monkeypatch.setattr(damcha_triton, "INTERPRETED", False)
+    configs = damcha_triton._configs(*damcha_triton.FWD_CONFIGS)
+    def kept(dtype, DH, per_token=True):
+        return [(c.kwargs["BLOCK"], c.num_warps, c.kwargs["M_STAGES"]) for c in damcha_triton._keep_for_dtype(
+            configs, {"x_ptr": torch.empty(0, dtype=dtype)}, DH=DH, PER_TOKEN=per_token)]
+    assert kept(torch.bfloat16, 64) == kept(torch.float16, 64) == [(64, 4, 3), (64, 4, 6), (64, 8, 3), (64, 8, 6), (128, 8, 3)]
+    assert kept(torch.bfloat16, 64, per_token=False) == [(64, 4, 3), (64, 8, 3), (128, 8, 3)]
+    assert kept(torch.bfloat16, 128) == [(64, 8, 3), (64, 8, 6)]
+    assert kept(torch.float32, 64) == [(32, 8, 3), (16, 4, 3)] and kept(torch.float32, 128) == [(16, 4, 3)]
 
 
 def test_output_is_laid_out_as_the_models_heads():
@@ -383,6 +402,18 @@ def test_bench_reports_a_failing_implementation_and_times_the_others(capsys):
                              bench_triton_gpu.Budget(60))   # the torch path itself: no ratios to it
     timed = [r for r in map(json.loads, capsys.readouterr().out.splitlines()) if "fwd_ms" in r]
     assert [r["impl"] for r in timed] == ["other", "other"] and all(r["fwd_speedup_vs_torch"] is None for r in timed)
+    # the model rows: a gradient agreement or a step that raises is one error row each, and the rest run
+    def oom(*args, **kwargs):
+        raise RuntimeError("out of memory")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench_triton_gpu, "grad_agreement", oom)
+        patch.setattr(bench_triton_gpu, "matmul_row", lambda *a: None)
+        patch.setattr(bench_triton_gpu, "step_row", oom)
+        fields = dict(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16)
+        bench_triton_gpu.model_rows(fields, 1, None, bench_triton_gpu.Budget(60))
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    errors = [r["name"] for r in rows if r.get("error") == "RuntimeError: out of memory"]
+    assert errors == ["grad_agreement", "mha", "damcha/torch", "damcha/triton"]   # compiled steps: no GPU
 
 
 def test_bench_rows_compute_what_they_name(monkeypatch, capsys):
@@ -401,6 +432,12 @@ def test_bench_rows_compute_what_they_name(monkeypatch, capsys):
     assert (rows["torch"]["m_GBps"], rows["torch"]["m_bandwidth_vs_peak"], rows["torch"]["m_bandwidth_vs_read"]) == (2048.0, 0.5, 4.0)
     assert (rows["fake"]["fwd_speedup_vs_torch"], rows["fake"]["fwd_bwd_speedup_vs_torch"], rows["fake"]["m_GBps"]) == (2.0, 1.5, 4096.0)
     assert rows["torch"]["vs_torch"] is None and rows["fake"]["vs_torch"] == dict(o=0.0, dx=0.0, dm=0.0, dv=0.0)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, rep=60: 4e-6)
+    wrong_dx = lambda x, m, v: torch_path(x, m, v) + 1e-1 * (x - x.detach())
+    bench.op_rows({"torch": torch_path, "wrong": wrong_dx}, (1, 2, 4, 8), [torch.float16], 4.096e12, bench.Budget(60))
+    rows = {r["impl"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert rows["wrong"]["vs_torch"]["o"] < 1e-6 < 1e-2 < rows["wrong"]["vs_torch"]["dx"]
+    assert rows["read_m"]["m_GBps"] == 256.0   # 1024 bytes of float16 m in 4e-6 ms
 
     monkeypatch.setattr(bench, "time_ms", lambda fn, rep=60: 100.0)
     config = dict(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=16, gen_width=8)
@@ -423,6 +460,17 @@ def test_bench_checks_fail_on_one_wrong_gradient_and_keep_their_budget(capsys):
         raise AssertionError("a skipped row ran")
     bench.checks(never, [(1, 2, 20, 8)], [torch.float32], bench.Budget(-1))
     assert all(json.loads(line)["skipped"] == "time budget" for line in capsys.readouterr().out.splitlines())
+    # in 16-bit the bar is the torch path's own error against float64: the kernel wrong in dx fails
+    # it, and the torch path itself, scored as the kernel, has exactly its (non-zero) errors
+    bench.checks(lambda x, m, v: torch_path(x, m, v) + 5e-2 * (x - x.detach()), [(1, 2, 20, 8)], [torch.float16], bench.Budget(60))
+    assert not any(json.loads(line)["ok"] for line in capsys.readouterr().out.splitlines())
+    bench.checks(torch_path, [(1, 2, 20, 8)], [torch.float16], bench.Budget(60))
+    for r in map(json.loads, capsys.readouterr().out.splitlines()):
+        assert r["ok"] and r["err_triton"] == r["err_torch"] and min(r["err_torch"].values()) > 0
+    assert bench.rel_err(torch.tensor([2.0]), torch.tensor([1.0])) == 1.0
+    assert bench.rel_err(torch.tensor([9.0, 0.0]), torch.tensor([1.0, 2.0])) == 4.0   # max |a - b| / max |b|
+    assert bench.last_rows_ok(dict(o=0.0, dx=0.0, dm=0.0))
+    assert not any(bench.last_rows_ok(dict(dict(o=0.0, dx=0.0, dm=0.0), **{n: 1.0})) for n in ("o", "dx", "dm"))
     # each shape in every dtype before the next shape: a budget that runs out cuts shapes, not a dtype
     bench.checks(torch_path, [(1, 2, 8, 8), (1, 2, 7, 12)], [torch.float32, torch.float64], bench.Budget(60))
     order = [(r["dh"], r["dtype"]) for r in map(json.loads, capsys.readouterr().out.splitlines())]
@@ -461,6 +509,19 @@ def test_kernel_triton_runs_the_kernel_for_per_token_metrics_only(monkeypatch):
                               gen_width=8, adaptive=adaptive)).to(DEVICE)
         model(torch.randint(11, (1, 8), device=DEVICE))
     assert metric_dims == [5]
+    # decoding keeps the torch path too (the kernel takes no cache of keys): neither the prompt that
+    # fills the cache nor a cached step calls it, and the steps' logits are a full forward's
+    model = GPT(GPTConfig(kernel="triton", vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16,
+                          gen_width=8)).to(DEVICE).eval()
+    metric_dims.clear()
+    idx = torch.randint(11, (1, 8), device=DEVICE)
+    cache = model.new_cache()
+    with torch.no_grad():
+        steps = [model(idx[:, :5], cache=cache)[0][:, -1]] + [model(idx[:, t:t + 1], cache=cache)[0][:, -1] for t in range(5, 8)]
+        full = model(idx)[0]
+    assert metric_dims == [5]   # the full forward only
+    for t, logits in zip(range(4, 8), steps):
+        assert rel_err(logits, full[:, t]) < 1e-5, t
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(share=False), dict(adaptive=False), dict(gen_out="folded")],
@@ -553,6 +614,13 @@ def test_bench_budgets_end_at_the_whole_checks_deadline(monkeypatch, capsys):
     bench.train_rows(["config/enwik8.py"], 30, False, bench.Budget(60, deadline=time.time() + bench.TRAIN_ROW_S - 5))
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["kernel"], r["skipped"]) for r in rows] == [("triton", "time budget"), ("torch", "time budget")]
+    for budget_s, deadline_s in ((40, 300), (200, 110)):   # the section's budget short, or the deadline
+        timeouts = []
+        monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: timeouts.append(k["timeout"]) or
+                            subprocess.CompletedProcess(a, 0, "", ""))
+        bench.train_rows(["config/enwik8.py"], 30, False, bench.Budget(budget_s, deadline=time.time() + deadline_s))
+        assert [json.loads(line)["rc"] for line in capsys.readouterr().out.splitlines()] == [0, 0]   # both rows ran
+        assert len(timeouts) == 2 and all(t <= deadline_s for t in timeouts)                     # none past the deadline
     monkeypatch.setattr(bench, "DEVICE", "cuda")
     plan = bench.op_plan({"torch": 0, "torch_compiled": 0, "triton": 0}, [torch.bfloat16, torch.float32])
     assert plan == [("per_token", torch.bfloat16, ["torch", "triton"]), ("per_token", torch.float32, ["torch", "triton"]),
