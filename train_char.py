@@ -504,7 +504,8 @@ def estimate_loss(model, components, cfg, device, ctx):
                     with ctx:
                         x, y = get_batch([c], split, which[first:first + B], offsets[first:first + B],
                                          cfg['block_size'], device)
-                        losses.append(model(x, y)[1].item())
+                        losses.append(model(x, y)[1])
+            losses = torch.stack(losses).tolist()   # one device sync per component, not one per batch
             per_component[c['name']] = sum(losses) / len(losses)
         out[f'{split}_loss'] = sum(per_component.values()) / len(components)
         if len(components) > 1:

@@ -52,6 +52,11 @@ requires_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 FWD_TOL, GRAD_TOL = 1e-4, 1e-3                       # float32 against float64
 
 
+def off_in_dx(op, scale):
+    """op with its output and dm unchanged and dx off by scale * x: a wrong kernel the checks must catch."""
+    return lambda x, m, v: op(x, m, v) + scale * (x - x.detach())
+
+
 def output_and_grads(op, x, m, v, do):
     """op(x, m, v) and the gradients of sum(op * dO) for x, m and v."""
     x, m, v = (t.detach().requires_grad_() for t in (x, m, v))
@@ -262,7 +267,7 @@ def test_the_last_rows_check_of_large_offsets():
 
 def test_the_large_offsets_row_fails_on_a_wrong_dx(capsys):
     import bench_triton_gpu as bench
-    wrong_dx = lambda x, m, v: damcha_attention(x, m, v) + 1e-1 * (x - x.detach())   # o and dm exact, dx off
+    wrong_dx = off_in_dx(damcha_attention, 1e-1)
     bench.check_large_offsets(wrong_dx, bench.Budget(60), shape=(1, 2, 40, 8, 16), dtype=torch.float32)
     row = json.loads(capsys.readouterr().out)
     assert row["ok"] is False and row["err_triton"]["o"] < 1e-6 and row["err_triton"]["dx"] > 5e-2
@@ -433,7 +438,7 @@ def test_bench_rows_compute_what_they_name(monkeypatch, capsys):
     assert (rows["fake"]["fwd_speedup_vs_torch"], rows["fake"]["fwd_bwd_speedup_vs_torch"], rows["fake"]["m_GBps"]) == (2.0, 1.5, 4096.0)
     assert rows["torch"]["vs_torch"] is None and rows["fake"]["vs_torch"] == dict(o=0.0, dx=0.0, dm=0.0, dv=0.0)
     monkeypatch.setattr(bench, "time_ms", lambda fn, rep=60: 4e-6)
-    wrong_dx = lambda x, m, v: torch_path(x, m, v) + 1e-1 * (x - x.detach())
+    wrong_dx = off_in_dx(torch_path, 1e-1)
     bench.op_rows({"torch": torch_path, "wrong": wrong_dx}, (1, 2, 4, 8), [torch.float16], 4.096e12, bench.Budget(60))
     rows = {r["impl"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     assert rows["wrong"]["vs_torch"]["o"] < 1e-6 < 1e-2 < rows["wrong"]["vs_torch"]["dx"]
@@ -452,7 +457,7 @@ def test_bench_checks_fail_on_one_wrong_gradient_and_keep_their_budget(capsys):
     """A check row is ok only if the output and every gradient are; a spent budget skips a row
     without running it."""
     import bench_triton_gpu as bench
-    wrong_dx = lambda x, m, v: torch_path(x, m, v) + 1e-2 * (x - x.detach())   # o exact, dx off
+    wrong_dx = off_in_dx(torch_path, 1e-2)
     bench.checks(wrong_dx, [(1, 2, 20, 8)], [torch.float32], bench.Budget(60))
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(rows) == 2 and not any(r["ok"] for r in rows) and all(r["err_triton"]["o"] < 1e-6 for r in rows)
@@ -462,7 +467,7 @@ def test_bench_checks_fail_on_one_wrong_gradient_and_keep_their_budget(capsys):
     assert all(json.loads(line)["skipped"] == "time budget" for line in capsys.readouterr().out.splitlines())
     # in 16-bit the bar is the torch path's own error against float64: the kernel wrong in dx fails
     # it, and the torch path itself, scored as the kernel, has exactly its (non-zero) errors
-    bench.checks(lambda x, m, v: torch_path(x, m, v) + 5e-2 * (x - x.detach()), [(1, 2, 20, 8)], [torch.float16], bench.Budget(60))
+    bench.checks(off_in_dx(torch_path, 5e-2), [(1, 2, 20, 8)], [torch.float16], bench.Budget(60))
     assert not any(json.loads(line)["ok"] for line in capsys.readouterr().out.splitlines())
     bench.checks(torch_path, [(1, 2, 20, 8)], [torch.float16], bench.Budget(60))
     for r in map(json.loads, capsys.readouterr().out.splitlines()):
