@@ -319,7 +319,7 @@ class Block(nn.Module):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         if config.attn in ("tha", "dcmha"):
-            from baselines import ComposedAttention                  # the baselines' own module
+            from lab.baselines import ComposedAttention                  # the baselines' own module
             self.attn = ComposedAttention(config)
         else:
             self.attn = CausalSelfAttention(config)
@@ -465,7 +465,7 @@ class GPT(nn.Module):
         else:
             per_layer = 4 * D * D + attention                        # c_attn, c_proj
         if cfg.attn in ("tha", "dcmha"):
-            from baselines import mixing_macs
+            from lab.baselines import mixing_macs
             per_layer += mixing_macs(cfg)
         per_layer += 2 * D * (cfg.mlp_hidden or 4 * D)               # mlp
         generator = 0

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from common import rel_err
-from baselines import DCMHA_RANK, ComposedAttention, compose
+from lab.baselines import DCMHA_RANK, ComposedAttention, compose
 from damcha_torch import GPT, GPTConfig
 
 TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=3, n_embd=12)

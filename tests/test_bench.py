@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench
+from lab import bench
 import damcha_torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,6 +150,6 @@ def test_bad_settings_are_refused(args, message):
 
 
 def test_bad_setting_gives_one_line_not_a_traceback():
-    out = subprocess.run([sys.executable, "bench.py", "--n_head=3"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "lab/bench.py", "--n_head=3"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr == "error: n_head (3) must divide n_embd (128)\n"

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-import reproduce
+from lab import reproduce
 from common import sigint_default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -290,7 +290,7 @@ def test_study_contrasts_pair_runs_of_the_same_seed():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_a_missing_device_is_refused_before_any_download(tmp_path):
-    p = subprocess.run([sys.executable, 'reproduce.py', '--dataset=enwik8', '--device=cuda',
+    p = subprocess.run([sys.executable, 'lab/reproduce.py', '--dataset=enwik8', '--device=cuda',
                         f"--data_dir={tmp_path / 'data'}", f"--results={tmp_path / 'results'}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
@@ -374,7 +374,7 @@ def test_ctrl_c_waits_for_the_training_run_to_stop(tmp_path):
              "print('ready', flush=True)\n"
              "time.sleep(60)\n")
     marker = tmp_path / 'marker'
-    driver = ("import sys, reproduce\n"
+    driver = ("import sys\nfrom lab import reproduce\n"
               f"try:\n    sys.exit(reproduce.run_to_the_end([sys.executable, '-c', {child!r}, {str(marker)!r}]))\n"
               "except KeyboardInterrupt:\n    sys.exit(130)\n")
     proc = subprocess.Popen([sys.executable, '-c', driver], cwd=ROOT, stdout=subprocess.PIPE, text=True,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import synthetic as syn
+from lab import synthetic as syn
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "synthetic"
 

@@ -38,7 +38,7 @@ pytest.importorskip("triton")
 
 import damcha_numpy
 import damcha_triton
-from bench_triton_gpu import last_rows_errors, last_rows_ok, make_inputs, torch_path
+from lab.bench_triton_gpu import last_rows_errors, last_rows_ok, make_inputs, torch_path
 from common import MetricSizedOutputs, rel_err
 from damcha_torch import GPT, GPTConfig
 from damcha_triton import damcha_attention
@@ -266,7 +266,7 @@ def test_the_last_rows_check_of_large_offsets():
 
 
 def test_the_large_offsets_row_fails_on_a_wrong_dx(capsys):
-    import bench_triton_gpu as bench
+    from lab import bench_triton_gpu as bench
     wrong_dx = off_in_dx(damcha_attention, 1e-1)
     bench.check_large_offsets(wrong_dx, bench.Budget(60), shape=(1, 2, 40, 8, 16), dtype=torch.float32)
     row = json.loads(capsys.readouterr().out)
@@ -325,7 +325,7 @@ def test_bench_triton_gpu_smoke():
     user runs it, without TRITON_INTERPRET: the script chooses the interpreter itself on a CPU."""
     root = os.path.dirname(damcha_triton.__file__)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "bench_triton_gpu.py", "--smoke", "--profile=True"], capture_output=True,
+    done = subprocess.run([sys.executable, "lab/bench_triton_gpu.py", "--smoke", "--profile=True"], capture_output=True,
                           text=True, cwd=root, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
@@ -357,7 +357,7 @@ def test_bench_triton_gpu_smoke():
 
 def test_bench_refuses_a_bad_train_config_before_any_section(capsys):
     """The train rows come last: a config file they would fail on is refused before the GPU time."""
-    import bench_triton_gpu
+    from lab import bench_triton_gpu
     with pytest.raises(SystemExit, match="train rows' command would fail: missing.py: no such config file"):
         bench_triton_gpu.main(["--smoke", "--train_configs=missing.py"])
     assert capsys.readouterr().out == ""   # no row printed
@@ -366,7 +366,7 @@ def test_bench_refuses_a_bad_train_config_before_any_section(capsys):
 def test_a_row_with_a_nan_is_still_strict_json(capsys):
     """A kernel that returns NaN gives errors that are NaN: the row must still parse as JSON, which
     has no NaN (Python's json.loads accepts it; parse_constant makes it refuse, as jq would)."""
-    import bench_triton_gpu
+    from lab import bench_triton_gpu
 
     def refuse(name):
         raise ValueError(f"bare {name} in the output")
@@ -378,7 +378,7 @@ def test_a_row_with_a_nan_is_still_strict_json(capsys):
 
 def test_a_profile_that_records_nothing_is_an_error():
     """A profiler that recorded no kernels must not read as a step of 0 ms."""
-    import bench_triton_gpu
+    from lab import bench_triton_gpu
     with pytest.raises(RuntimeError, match="recorded no kernels"):
         bench_triton_gpu.profile_step(lambda: None)
 
@@ -394,7 +394,7 @@ def test_autotuning_keeps_one_choice_per_kind_of_metric():
 
 def test_bench_reports_a_failing_implementation_and_times_the_others(capsys):
     """An op that raises in bench_triton_gpu.py's op rows becomes one error row; the rest are timed."""
-    import bench_triton_gpu
+    from lab import bench_triton_gpu
     def broken(x, m, v):
         raise RuntimeError("no kernel\nfor this")
     bench_triton_gpu.op_rows({"torch": torch_path, "broken": broken}, (1, 2, 8, 4), [torch.float32], None,
@@ -426,7 +426,7 @@ def test_bench_rows_compute_what_they_name(monkeypatch, capsys):
     bytes over the forward's time, in GB (1e9) per second; the speedups are the torch path's time
     over each; tokens/s and the MFU of a step (6 FLOPs per parameter and token as the model
     counts them) and of a matmul (2 per multiply-add)."""
-    import bench_triton_gpu as bench
+    from lab import bench_triton_gpu as bench
     times = iter([1e-6, 3e-6, 0.5e-6, 2e-6, 4e-6])   # torch fwd, fwd+bwd; fake fwd, fwd+bwd; the read of m
     monkeypatch.setattr(bench, "time_ms", lambda fn, rep=60: next(times))
     monkeypatch.setattr(bench, "METRICS", {"per_token": False})
@@ -456,7 +456,7 @@ def test_bench_rows_compute_what_they_name(monkeypatch, capsys):
 def test_bench_checks_fail_on_one_wrong_gradient_and_keep_their_budget(capsys):
     """A check row is ok only if the output and every gradient are; a spent budget skips a row
     without running it."""
-    import bench_triton_gpu as bench
+    from lab import bench_triton_gpu as bench
     wrong_dx = off_in_dx(torch_path, 1e-2)
     bench.checks(wrong_dx, [(1, 2, 20, 8)], [torch.float32], bench.Budget(60))
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -611,7 +611,7 @@ def test_bench_budgets_end_at_the_whole_checks_deadline(monkeypatch, capsys):
     """No section of bench_triton_gpu.py starts a row past --budget_total: a section's budget ends
     at the deadline if that comes first, a train row is not started with less than a row's time
     left, and the op rows time torch_compiled only after the plain rows of both dtypes."""
-    import bench_triton_gpu as bench
+    from lab import bench_triton_gpu as bench
     now = time.time()
     assert bench.Budget(60, deadline=now - 1).over() and not bench.Budget(60).over()
     assert bench.Budget(60, deadline=now + 10).end <= now + 10 < bench.Budget(60, deadline=math.inf).end
@@ -639,7 +639,7 @@ def test_the_gpus_block_sizes_in_the_interpreter(config):
     The same kernels at those sizes, in float32 against float64, at T = 150 (3 or 2 blocks, the
     last partial) and dh = 12 (padded to 16), both kinds of metric: run in a fresh process, since
     the interpreter's config is fixed when damcha_triton is imported."""
-    code = ("import bench_triton_gpu, test_triton\n"
+    code = ("from lab import bench_triton_gpu; import test_triton\n"
             "for static in (False, True):\n"
             "    test_triton.check_against_float64(*bench_triton_gpu.make_inputs(1, 2, 150, 12, static))\n"
             "import damcha_triton\n"

@@ -70,6 +70,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
+if ROOT not in sys.path:   # run as a file (python lab/synthetic.py): the book's modules are in the root
+    sys.path.insert(0, ROOT)
+
 from configurator import configure, die
 from damcha_torch import (Block, GPTConfig, add_metric, configure_optimizers, count_params, equal_params_width,
                           get_lr, init_weights, shares_metric, stack_forward)
@@ -281,8 +285,7 @@ def read_settings(argv):
         cfg["steps"], cfg["seeds"], lambdas, dims = 20, 1, (0.0, 1.0), (4, 8)
     if not lambdas and not dims:   # nothing to run would still rewrite the results as empty
         die("lambdas and dims are both empty: there is nothing to run")
-    out_dir = cfg["out"] or ("/tmp/synthetic_quick" if cfg["quick"] else os.path.join(os.path.dirname(
-        os.path.abspath(__file__)), "results", "synthetic"))
+    out_dir = cfg["out"] or ("/tmp/synthetic_quick" if cfg["quick"] else os.path.join(ROOT, "results", "synthetic"))
     try:   # made now: a folder that cannot be written would otherwise lose every job's result at the end
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):

@@ -59,6 +59,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
+if ROOT not in sys.path:   # run as a file (python lab/bench.py): the book's modules are in the root
+    sys.path.insert(0, ROOT)
+
 import damcha_numpy
 from configurator import configure, die
 from damcha_torch import GPT, GPTConfig, MetricQuery, compute_metric, count_params, equal_params_width
@@ -161,10 +165,10 @@ def train_step_peak_memory(fields, batch_size, device="cpu", dtype=torch.float32
 def fresh_process_peak_memory(fields, batch_size, device="cpu", dtype=torch.float32):
     """train_step_peak_memory run in a fresh Python process with one thread, where both peaks
     start from nothing. Returns (before, peak) in MiB."""
-    code = (f"import torch, bench; torch.set_num_threads(1); print(*bench.train_step_peak_memory("
+    code = (f"import torch; from lab import bench; torch.set_num_threads(1); print(*bench.train_step_peak_memory("
             f"{fields!r}, {batch_size}, {device!r}, {dtype}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
+                         cwd=ROOT)
     return tuple(float(s) for s in out.stdout.split())
 
 

@@ -64,6 +64,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
+if ROOT not in sys.path:   # run as a file (python lab/bench_triton_gpu.py): the book's modules are in the root
+    sys.path.insert(0, ROOT)
+
 from configurator import configure, die
 from damcha_torch import GPT, GPTConfig, count_params, equal_params_width
 
@@ -438,7 +442,6 @@ def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
             emit(**row, error=failure(e))
 
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def train_argv(config_files, iters, smoke, kernel, out_dir):
@@ -466,7 +469,7 @@ def train_rows(config_files, iters, smoke, budget):
             start = time.time()
             try:    # a row that starts is given 2 minutes if the whole check's deadline allows
                 done = subprocess.run(train_argv(config_files, iters, smoke, kernel, out_dir), capture_output=True,
-                                      text=True, env=env, cwd=HERE,
+                                      text=True, env=env, cwd=ROOT,
                                       timeout=min(max(120.0, budget.end - time.time() + 30), max(left, 1.0)))
             except subprocess.TimeoutExpired:
                 emit(**row, skipped="time budget: stopped", wall_s=round(time.time() - start, 1))
@@ -495,7 +498,7 @@ def main(argv):
     train_configs, train_iters = [f for f in cfg["train_configs"].split(",") if f], 2 if smoke else cfg["train_iters"]
     if cfg["budget_train"]:   # a wrong config file is refused now, not after the other sections' device time
         shown = subprocess.run(train_argv(train_configs, train_iters, smoke, "triton", "out-check") + ["--mode=config"],
-                               capture_output=True, text=True, cwd=HERE)
+                               capture_output=True, text=True, cwd=ROOT)
         if shown.returncode:
             why = (shown.stderr.strip().splitlines() or ['?'])[-1].removeprefix('error: ')
             die(f"the train rows' command would fail: {why}")

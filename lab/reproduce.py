@@ -69,14 +69,17 @@ import time
 import numpy as np
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
+if ROOT not in sys.path:   # run as a file (python lab/reproduce.py): the book's modules are in the root
+    sys.path.insert(0, ROOT)
+
 from checkpoint import DIVERGED, pick_device, read_jsonl
 from configurator import configure, die
 from damcha_torch import GPTConfig, count_params, equal_params_width
 from data.prepare import atomic_write, load_dataset
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TRAIN_CHAR = os.path.join(HERE, 'train_char.py')
-EVAL_CHAR = os.path.join(HERE, 'eval_char.py')
+TRAIN_CHAR = os.path.join(ROOT, 'train_char.py')
+EVAL_CHAR = os.path.join(ROOT, 'eval_char.py')
 VARIANTS = dict(mha=dict(attn='mha'), dcmha=dict(attn='dcmha'), damcha=dict(attn='damcha'),
                 damcha_static=dict(attn='damcha', adaptive=False),
                 damcha_unshared=dict(attn='damcha', share=False))
@@ -188,7 +191,7 @@ def parse_options(argv):
 
 def train_char_settings(files, settings):
     """The settings train_char.py resolves from these config files and flags, typed (--mode=config)."""
-    p = subprocess.run([sys.executable, TRAIN_CHAR, *(os.path.join(HERE, f) for f in files), *flags(settings),
+    p = subprocess.run([sys.executable, TRAIN_CHAR, *(os.path.join(ROOT, f) for f in files), *flags(settings),
                         '--mode=config'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if p.returncode:
         die(p.stderr.strip().removeprefix('error: '))
@@ -297,7 +300,7 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
     if trained == max_iters:
         print(f"{run}: trained, {out_dir}/ckpt.pt is at max_iters; evaluating it", flush=True)
     else:
-        cmd = [sys.executable, TRAIN_CHAR, *(os.path.join(HERE, f) for f in files)]
+        cmd = [sys.executable, TRAIN_CHAR, *(os.path.join(ROOT, f) for f in files)]
         cmd += flags(settings | dict(out_dir=out_dir, init_from='scratch' if trained is None else 'resume'))
         if run == opts['snapshot']:   # of this max_iters, those still ahead (a resume has written the others)
             ahead = [i for i in (round(f * max_iters) for f in SNAPSHOT_AT) if trained is None or i > trained]
@@ -314,7 +317,7 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
             return result
     result = evaluate_checkpoint(run, out_dir, opts['device'])
     if os.path.isabs(result['dataset']):   # a file made for the study: where it is in the checkout, not on this machine
-        result['dataset'] = os.path.relpath(result['dataset'], HERE)
+        result['dataset'] = os.path.relpath(result['dataset'], ROOT)
     for b in blocks:
         result[f'val_bpc_{b}'] = evaluate_checkpoint(run, out_dir, opts['device'], f'--blocks={b}')['val_bpc']
     result |= extra or {}
@@ -382,10 +385,10 @@ def write_summary(rows, runs, opts, results):
 
 def git_commit():
     """The commit these runs come from, with '+dirty' when tracked files differ from it."""
-    head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=HERE, capture_output=True, text=True)
+    head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=ROOT, capture_output=True, text=True)
     if head.returncode:
         return 'unknown'
-    dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=HERE,
+    dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
     return head.stdout.strip() + ('+dirty' if dirty else '')
 
@@ -608,8 +611,8 @@ def study(opts, passthrough):
     if 'mha' not in variants:
         die("the study's differences are to MHA: include mha in --variants")
     regime = opts['regime']
-    root = opts['results'] or os.path.join(HERE, 'results', 'study' + opts['study'])
-    out_root = os.path.join(opts['out_root'] or os.path.join(HERE, 'out-study', opts['study']), regime)
+    root = opts['results'] or os.path.join(ROOT, 'results', 'study' + opts['study'])
+    out_root = os.path.join(opts['out_root'] or os.path.join(ROOT, 'out-study', opts['study']), regime)
     results = os.path.join(root, regime)
     commit = git_commit()
     seeds, grid = range(1, opts['seeds'] + 1), opts['lr_grid']
@@ -691,8 +694,8 @@ def sweep_planned(name, typed, params):
 def sweep(opts, passthrough):
     """The character-level comparison: every variant for --seeds seeds, then the summary."""
     dataset, variants = opts['dataset'], [v for v in opts['variants'].split(',') if v]
-    results = opts['results'] or os.path.join(HERE, 'results', 'charlevel', os.path.basename(dataset))
-    out_root = opts['out_root'] or os.path.join(HERE, 'out-reproduce', os.path.basename(dataset))
+    results = opts['results'] or os.path.join(ROOT, 'results', 'charlevel', os.path.basename(dataset))
+    out_root = opts['out_root'] or os.path.join(ROOT, 'out-reproduce', os.path.basename(dataset))
     runs, params, typed = plan(opts, passthrough, variants)
     os.makedirs(results, exist_ok=True)
     for seed in range(1, opts['seeds'] + 1):
