@@ -1,16 +1,15 @@
 """
-checkpoint.py: a training run's folder, as train_char.py keeps it: the checkpoint (read back with a
-one-line error for a missing, empty or damaged file), the history logs (one JSON object a line,
-appended; a torn last line is dropped and said), and the lock that keeps a second run out.
+checkpoint.py: a training run's folder, kept safe, and what a run rebuilds from its settings.
 
-    out_dir/ckpt.pt          weights, optimizer, settings, vocabulary, RNG states (torch.save, atomic)
+    out_dir/ckpt.pt          weights, optimizer, settings, vocabulary, RNG states
     out_dir/log.jsonl        one line per evaluation: the curves
     out_dir/train_log.jsonl  one line per iteration: the losses
     out_dir/train.lock       flock'ed for the run's lifetime; names the run that holds it
 
-It also rebuilds what a run needs from its settings: the model (from a checkpoint, with the settings
-given now over the saved ones), the device and the precision. A shared helper: train_char.py and
-eval_char.py import it, and so can anything that reads a run.
+Every file is written whole or not at all (atomic_write): a kill or a full disk never costs the last
+good checkpoint. A checkpoint is read back with a one-line error for a missing, empty or damaged
+file; a resume cuts the logs back to it (cut_logs), dropping a torn last line with a note. Then the
+model, the device and the precision. train_char.py and eval_char.py import it, as can any reader.
 """
 import errno
 import fcntl
@@ -22,15 +21,105 @@ import shlex
 import sys
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.distributed as dist
 
 from configurator import die, problem
 from damcha_torch import GPT, GPTConfig
 
 HELD = []   # this process's lock on its training run's out_dir (lock_out_dir), while the run lasts
-DIVERGED = 3   # train_char.py's exit status when a non-finite loss stopped the run (reproduce.py reads it)
+DIVERGED = 3   # train_char.py's exit status when a non-finite loss stopped the run (stopped)
+
+
+@contextmanager
+def atomic_write(path):
+    """A binary file to write that appears at `path` only once complete: it is written beside it,
+    flushed to disk, then renamed over it. A crash leaves the old file or none, never half a file.
+    The temporary file is this process's own (two processes never write the same one) and any
+    failure (a full disk, Ctrl-C, an error in the caller's block) removes it before passing on.
+    Every save of the project goes through here (prepared data, checkpoints, snapshots, logs)."""
+    tmp = f'{path}.{os.getpid()}.tmp'
+    try:
+        with open(tmp, 'wb') as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save(obj, out_dir, name, saved_iter):
+    """torch.save into out_dir/name through atomic_write: on any failure the partial file is gone
+    and the previous one stays; the run ends with one line, which names the last good checkpoint
+    (saved_iter: the iteration of the ckpt.pt on disk, None if there is none yet)."""
+    path = os.path.join(out_dir, name)
+    try:
+        with atomic_write(path) as f:
+            torch.save(obj, f)
+    except Exception as e:
+        cause = e   # a Ctrl-C inside torch.save, which reports it as an error of its own, stops as Ctrl-C does
+        while cause is not None and not isinstance(cause, KeyboardInterrupt):
+            cause = cause.__context__
+        if cause is not None:
+            raise KeyboardInterrupt from None
+        die(f"could not save {path}: {why(e)}; the partial file was removed; {last_good(out_dir, saved_iter)}")
+
+
+class Diverged(Exception):
+    """A non-finite loss (what, value, iteration): the run stops on every process without saving."""
+
+
+def stopped(e, out_dir, iter_num, saved_iter):
+    """(exit status, one line) of a run that Ctrl-C (130) or a non-finite loss (DIVERGED, which tells
+    lab/reproduce.py's sweep that the run diverged rather than failed) stopped at iter_num: where
+    it stopped, and what is on disk."""
+    if isinstance(e, KeyboardInterrupt):
+        return 130, f"interrupted at iter {iter_num}: " + (
+            f"a resume (--init_from=resume) starts from {out_dir}/ckpt.pt at iter {saved_iter}"
+            if saved_iter is not None else "no checkpoint was written yet: a rerun starts from scratch")
+    what, value, it = e.args
+    return DIVERGED, (f"error: the {what} loss became {value} at iter {it}; stopped without saving: "
+                      f"{last_good(out_dir, saved_iter)}; try a lower learning_rate")
+
+
+def last_good(out_dir, saved_iter):
+    return (f"{os.path.join(out_dir, 'ckpt.pt')} (iter {saved_iter}) is the last good checkpoint"
+            if saved_iter is not None else "no checkpoint was written yet")
+
+
+def rng_states(ddp):
+    """Every process's torch RNG state (dropout), gathered so that rank 0 can save them all."""
+    state = (torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+    if not ddp:
+        return [state]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def restore(ckpt, optimizer, scaler, batches, rank, device):
+    """The optimizer, loss scaler and random generators as the checkpoint left them, except the
+    weight decay and betas, which the settings of this run decide."""
+    settings = [{k: g[k] for k in ('weight_decay', 'betas')} for g in optimizer.param_groups]
+    try:
+        optimizer.load_state_dict(ckpt['optimizer'])
+        if ckpt['scaler']:   # {} when the saved run had no loss scaling (anything but float16)
+            scaler.load_state_dict(ckpt['scaler'])
+        batches.set_state(ckpt['rng']['batches'])
+        if rank < len(ckpt['rng']['torch']):   # more processes than saved: the new ones keep their seed
+            cpu_state, cuda_state = ckpt['rng']['torch'][rank]
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None and device.startswith('cuda'):
+                torch.cuda.set_rng_state(cuda_state)
+    except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as e:
+        die(f"the checkpoint's optimizer or RNG state does not fit this run ({type(e).__name__}: {str(e)[:300]})")
+    for group, setting in zip(optimizer.param_groups, settings):
+        group.update(setting)
 
 
 def load_checkpoint(out_dir):
@@ -69,6 +158,15 @@ def load_checkpoint(out_dir):
                if isinstance(t, torch.Tensor) and t.is_floating_point()):
         die(f"{path} is damaged: it holds weights or optimizer state that are not finite numbers")
     return ckpt
+
+
+def resume(cfg, given, ranges):
+    """A resumed run's (settings, model fields, checkpoint): out_dir/ckpt.pt's settings overridden
+    by those given (from_checkpoint), refused now if the weights no longer fit them."""
+    ckpt = load_checkpoint(cfg['out_dir'])
+    cfg, model_args = from_checkpoint(ckpt, cfg, given, ranges)
+    check_fit(model_args, ckpt)
+    return cfg, model_args, ckpt
 
 
 def load_error(e):
@@ -115,11 +213,32 @@ def read_jsonl(path):
     return entries
 
 
+def cut_logs(out_dir, k, resumed):
+    """Empty logs for a new run; a resumed run's logs cut at its checkpoint at iteration k: later
+    lines belong to the part of the interrupted run that it is about to redo. A checkpoint at k is
+    saved after the evaluation at k and before the step of k, which the resumed run takes again:
+    log.jsonl keeps iter <= k and train_log.jsonl iter < k, so no line is repeated or lost."""
+    for name, keep in (('log.jsonl', lambda it: it <= k), ('train_log.jsonl', lambda it: it < k)):
+        path = os.path.join(out_dir, name)
+        entries = read_jsonl(path) if resumed and os.path.isfile(path) else []
+        if not all(isinstance(e.get('iter'), int) for e in entries):
+            die(f"{path} has an entry without an iteration number: not a log of train_char.py")
+        with atomic_write(path) as f:
+            f.write(''.join(json.dumps(e) + '\n' for e in entries if keep(e['iter'])).encode())
+
+
+def no_checkpoint_in(out_dir):
+    """A new run never overwrites a checkpoint."""
+    path = os.path.join(out_dir, 'ckpt.pt')
+    if os.path.exists(path):
+        die(f"{path} exists: continue it with --init_from=resume, or choose another --out_dir")
+
+
 def lock_out_dir(out_dir):
     """Hold out_dir for this training run: an exclusive flock on out_dir/train.lock, which the
     kernel releases when the process ends in any way, SIGKILL included, so it never goes stale. The
     file names the holder, for the message to a second run. The open file stays in HELD until
-    train() ends."""
+    the run ends (unlock)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         die(f"out_dir {out_dir} is a file, not a folder")
     os.makedirs(out_dir, exist_ok=True)
@@ -141,6 +260,12 @@ def lock_out_dir(out_dir):
     for name in os.listdir(out_dir):   # left by a run killed mid-save (atomic_write): nobody writes them now
         if re.fullmatch(r'.+\.\d+\.tmp', name):
             os.remove(os.path.join(out_dir, name))
+
+
+def unlock():
+    """Let go of this process's lock (as its end would), for a run called in-process."""
+    while HELD:
+        HELD.pop().close()
 
 
 def why(e):
@@ -263,7 +388,7 @@ def build_model(model_args, ckpt=None):
 
 def check_fit(model_args, ckpt):
     """Whether the checkpoint's weights fit GPT(model_args): the same names and shapes, compared on
-    the meta device (no memory, a few ms), so that a resume whose settings no longer fit the weights
+    the meta device (no memory, next to no time), so that a resume whose settings no longer fit the weights
     is refused before the data are loaded or the run's settings printed."""
     with torch.device('meta'):
         want = {k: tuple(v.shape) for k, v in GPT(model_config(model_args)).state_dict().items()}

@@ -1,7 +1,7 @@
 """
 configurator.py: the one settings parser that every script uses (train_char, eval_char,
-reproduce, synthetic, bench, bench_triton_gpu, data/prepare and damcha_numpy's training loop),
-in the manner of nanoGPT's configurator. It needs no more than the standard library.
+data/prepare, damcha_numpy's training loop and the lab's scripts), in the manner of nanoGPT's
+configurator. It needs no more than the standard library.
 
 A script keeps its settings in a dict of defaults and calls configure(defaults, sys.argv[1:]).
 Each argument, in order, overrides what came before:
@@ -9,7 +9,8 @@ Each argument, in order, overrides what came before:
     --key=value           one setting; the value is read as a Python literal and must have the
                           type of the default (an int is accepted where a float is due)
     --flag                short for --flag=True, for settings whose default is a bool
-    --help                the script's docstring, then every setting with its default
+    --help                the script's docstring, then every setting with its default and the
+                          comment beside that default in the script's source (describe)
 A setting that does not exist, a value of the wrong type or outside the allowed choices ends the
 program with one line on stderr (die), never a traceback.
 """
@@ -17,6 +18,8 @@ import ast
 import difflib
 import math
 import os
+import re
+import sys
 
 
 def die(message):
@@ -24,15 +27,31 @@ def die(message):
     raise SystemExit('error: ' + ' '.join(str(message).split()))
 
 
-def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=None):
+def pipe_closed():
+    """stdout's reader went away (`... --mode=config | head`): not an error. stdout is pointed at
+    /dev/null, so the interpreter's last flush is quiet too, and the exit status is a process's
+    that SIGPIPE ended, as for any Unix tool in a pipe."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(128 + 13)
+
+
+def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=None, described_in=None):
     """defaults updated by each config file or --key=value of argv in order.
-    choices: {key: allowed values}; positive / non_negative: keys whose numbers are checked.
-    Returns (config, the set of keys given)."""
+    choices: {key: allowed values}; positive / non_negative: keys whose numbers are checked;
+    described_in: the source files whose comments describe the settings for --help (describe),
+    by default the script being run. Returns (config, the set of keys given)."""
     config, given = dict(defaults), set()
     for arg in argv:
         if arg in ('-h', '--help'):
-            print((doc or '').strip() + '\n\nsettings, with their defaults (--key=value):\n'
-                  + '\n'.join(f'  {k}={v!r}' for k, v in defaults.items()))
+            about = describe(described_in or [sys.argv[0]], defaults)
+            settings = {k: f'{k}={v!r}' for k, v in defaults.items()}
+            width = min(30, max(map(len, settings.values())))
+            try:
+                print((doc or '').strip() + '\n\nsettings, with their defaults (--key=value):\n'
+                      + '\n'.join(f'  {s:<{width}}  {about.get(k, "")}'.rstrip() for k, s in settings.items()),
+                      flush=True)
+            except BrokenPipeError:   # --help | head
+                pipe_closed()
             raise SystemExit(0)
         if arg.startswith('--'):
             key, eq, text = arg[2:].partition('=')
@@ -70,6 +89,32 @@ def problem(config, choices=None, positive=(), non_negative=()):
         if config[key] < 0 or (config[key] == 0 and key in positive):
             return f"{key} must be {'positive' if key in positive else 'zero or more'}, not {config[key]}"
     return None
+
+
+def describe(paths, names):
+    """{name: description} of the settings `names`: the comment beside each one's default in these
+    source files, `name=default,  # text` (a dict of defaults) or `name: type = default  # text` (a
+    dataclass field), with the comment lines aligned below it that go on with the text. The first
+    file, and in it the first line, that describes a name wins."""
+    about = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except OSError:   # no source to read (python -c): no descriptions from it
+            continue
+        name = None
+        for line in lines:
+            code, _, text = line.partition('  # ')
+            match = re.fullmatch(r'\s*(\w+)\s*(:[^=]*)?=.*', code)
+            if text and match and match[1] in names and match[1] not in about:
+                name, column = match[1], len(code)
+                about[name] = text.strip()
+            elif text and name and not code.strip() and len(code) == column:   # the text goes on
+                about[name] += ' ' + text.strip()
+            else:
+                name = None
+    return about
 
 
 def read_config_file(path):

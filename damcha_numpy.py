@@ -50,9 +50,8 @@ class GPTConfig:
     bias: bool = True
     dropout: float = 0.0     # NumPy supports 0 only
     attn_dropout: float = 0.0   # likewise; the fields are damcha_torch.GPTConfig's, less its kernel
-    qk: str = "slice"        # the study's variants (damcha_torch): NumPy has the paper's model only,
-    metric_init: str = "normal"  # so these three keep their defaults
-    mlp_hidden: int = 0
+    metric_init: str = "normal"  # the study's variants (damcha_torch): NumPy has the paper's model
+    mlp_hidden: int = 0          # only, so these two keep their defaults
 
     def __post_init__(self):
         sizes = dict(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
@@ -68,8 +67,8 @@ class GPTConfig:
             (self.gen_out == "full" or self.blocks == "all", "blocks other than 'all' need gen_out='full'"),
             (self.dropout == 0, "the NumPy model supports dropout=0 only"),
             (self.attn_dropout == 0, "the NumPy model supports attn_dropout=0 only"),
-            ((self.qk, self.metric_init, self.mlp_hidden) == ("slice", "normal", 0),
-             "the NumPy model is the paper's: qk='slice', metric_init='normal', mlp_hidden=0 only"),
+            ((self.metric_init, self.mlp_hidden) == ("normal", 0),
+             "the NumPy model is the paper's: metric_init='normal', mlp_hidden=0 only"),
         ]
         for ok, message in checks:
             if not ok:
@@ -645,10 +644,24 @@ def stop_if_not_finite(what, loss, it):
         raise SystemExit(f"the {what} loss became {loss} at iter {it}; stopped; try a lower --lr")
 
 
+def encode_start(start, vocab):
+    """--start -> its token ids (1, n). The prompt is bytes, as the model reads: bytes typed that
+    are not UTF-8 come back as they were."""
+    try:
+        raw = np.frombuffer(start.encode("utf-8", errors="surrogateescape"), dtype=np.uint8)
+    except UnicodeEncodeError as e:
+        raise SystemExit(f"--start cannot be written as bytes: {e.reason} at character {e.start}") from None
+    if not len(raw):
+        raise SystemExit("--start is empty: the sample after training needs at least one character to follow")
+    if not np.isin(raw, vocab).all():
+        raise SystemExit(f"--start={start!r} has characters that are not in the corpus")
+    return np.searchsorted(vocab, raw)[None].astype(np.int64)
+
+
 def main(argv):
     # the GPTConfig fields that NumPy varies (not vocab_size, which the corpus decides, nor those
     # it has at their defaults only: no dropout, and the paper's model), and the loop's settings
-    fixed = ("vocab_size", "dropout", "attn_dropout", "qk", "metric_init", "mlp_hidden")
+    fixed = ("vocab_size", "dropout", "attn_dropout", "metric_init", "mlp_hidden")
     settings = {f.name: f.default for f in fields(GPTConfig) if f.name not in fixed}
     settings.update(iters=1500, batch_size=16, lr=1e-2, warmup=100, eval_every=250, seed=0, start="ROMEO:",
                     data=str(Path(__file__).parent / "data" / "shakespeare" / "input.txt"))
@@ -661,15 +674,7 @@ def main(argv):
     data, vocab = load_corpus(settings["data"])
     if not len(data):
         raise SystemExit(f"--data={settings['data']}: the file is empty")
-    try:   # the prompt is bytes, as the model reads: bytes typed that are not UTF-8 come back as they were
-        start = np.frombuffer(settings["start"].encode("utf-8", errors="surrogateescape"), dtype=np.uint8)
-    except UnicodeEncodeError as e:
-        raise SystemExit(f"--start cannot be written as bytes: {e.reason} at character {e.start}") from None
-    if not len(start):
-        raise SystemExit("--start is empty: the sample after training needs at least one character to follow")
-    if not np.isin(start, vocab).all():
-        raise SystemExit(f"--start={settings['start']!r} has characters that are not in the corpus")
-    prompt = np.searchsorted(vocab, start)[None].astype(np.int64)
+    prompt = encode_start(settings["start"], vocab)
     try:
         config = GPTConfig(**{f.name: settings[f.name] for f in fields(GPTConfig) if f.name in settings},
                            vocab_size=len(vocab))

@@ -8,11 +8,10 @@ its own slice x_i of the layer input through m_i = sum_j M_ij (RowSum). The off-
 blocks M_ij (j != i) are only added into m_i: head i never reads another head's slice, and the
 other heads' subspaces reach it through the generator, which reads all of c.
 
-The model is the one docs/model.md describes; damcha_numpy.py is the NumPy reference with the same
-parameter names and layouts, so one set of weights loads into both (tests/test_torch.py checks
-logits, loss and every gradient against it in float64). attn="mha" is the standard baseline;
-attn="tha" and "dcmha", Talking-Heads and DCMHA, live in baselines.py. What this file adds to
-the reference is speed:
+The model is docs/model.md's; damcha_numpy.py is the NumPy reference with the same parameter
+names and layouts (tests/test_torch.py checks logits, loss and every gradient against it in
+float64). attn="mha" is the standard baseline; ATTENTION maps each attn name to its module.
+What this file adds to the reference is speed:
   - gen_out="full" never builds the (B, T, D, D) tensor M: RowSum is linear, so it is applied
     to the last generator layer's weights inside forward (exact, gradients included);
   - softmax(q k^T) v goes through F.scaled_dot_product_attention (flash attention on CUDA), or
@@ -20,11 +19,9 @@ the reference is speed:
   - with share=True the generator runs once per forward pass;
   - generate() decodes incrementally from a cache of keys, values and context sums.
 
-Use it:
     from damcha_torch import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=65, block_size=256))
     logits, loss = model(idx, targets)            # idx, targets (B, T) int64
-Speed and peak memory are measured by bench.py (python bench.py --quick, python bench.py --memory).
 """
 import dataclasses
 import math
@@ -36,53 +33,45 @@ from torch.nn import functional as F
 
 @dataclasses.dataclass
 class GPTConfig:
-    vocab_size: int = 80
-    block_size: int = 64
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
-    attn: str = "damcha"     # "damcha" | the baselines "mha", "dcmha", "tha" (these two: PyTorch only)
+    vocab_size: int = 80     # V, the number of distinct tokens
+    block_size: int = 64     # T, the longest context
+    n_layer: int = 2         # L, transformer blocks
+    n_head: int = 4          # H, heads: each owns a slice of dh = D / H coordinates
+    n_embd: int = 64         # D, the width of the residual stream
+    attn: str = "damcha"     # a name in ATTENTION: "damcha" | "mha" (the baseline)
     adaptive: bool = True    # False: M (or m, when folded) is a learned constant, the ablation "without f(x)"
     share: bool = True       # one generator for the whole stack (Section 3.4)
     blocks: str = "all"      # which blocks RowSum adds: "all" | "diag" (M_ii) | "offdiag" (j != i)
     gen_out: str = "full"    # "full": f outputs M (D*D numbers); "folded": f outputs m (H*dh*dh)
     gen_depth: int = 2       # P, the number of linear layers in f
     gen_width: int = 64      # w, the hidden width of f
-    bias: bool = True
+    bias: bool = True        # biases in the Linear layers and LayerNorms
     dropout: float = 0.0     # embedding, residual and MLP dropout while training (NumPy: 0 only)
     attn_dropout: float = 0.0   # dropout of the attention probabilities (NumPy, kernel="triton": 0 only)
     kernel: str = "torch"    # DAMCHA attention: "torch" (Eq. 5 product + SDPA) | "triton" (damcha_triton.py, fused)
-    # The 2x2 study (PyTorch only, NumPy keeps the defaults):
-    qk: str = "slice"        # DAMCHA's queries and keys: "slice", Eq. 5's q_i = x_i m_i, k_i = x_i;
-                             # "proj", MHA's projections with the metric: q_i = (u W_q^T)_i m_i, k_i = (u W_k^T)_i
-    metric_init: str = "normal"  # "normal": N(0, 0.02) as every weight; "identity": m_i = I at init
-                             # (the static metric, or the generator's last bias; its weight stays N(0, 0.02))
-    mlp_hidden: int = 0      # the MLP's hidden width; 0: 4 * n_embd. A width that can trade for parameters
+    metric_init: str = "normal"  # "normal": N(0, 0.02) as every weight; "identity": every m_i starts at I
+    mlp_hidden: int = 0      # the MLP's hidden width; 0: 4 * n_embd
 
     def __post_init__(self):
-        sizes = dict(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
-                     n_head=self.n_head, n_embd=self.n_embd, gen_depth=self.gen_depth, gen_width=self.gen_width)
-        for name, value in sizes.items():
-            if value < 1:
-                raise ValueError(f"{name} must be at least 1, not {value}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "gen_depth", "gen_width"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        choices = dict(attn=tuple(ATTENTION), blocks=("all", "diag", "offdiag"), gen_out=("full", "folded"),
+                       kernel=("torch", "triton"), metric_init=("normal", "identity"))
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, not {getattr(self, name)!r}")
         checks = [
             (self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
-            (self.attn in ("damcha", "mha", "dcmha", "tha"), f"attn must be 'damcha', 'mha', 'dcmha' or 'tha', not {self.attn!r}"),
-            (self.blocks in ("all", "diag", "offdiag"), f"blocks must be 'all', 'diag' or 'offdiag', not {self.blocks!r}"),
-            (self.gen_out in ("full", "folded"), f"gen_out must be 'full' or 'folded', not {self.gen_out!r}"),
             (self.gen_out == "full" or self.blocks == "all", "blocks other than 'all' need gen_out='full'"),
             (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), not {self.dropout}"),
             (0.0 <= self.attn_dropout < 1.0, f"attn_dropout must be in [0, 1), not {self.attn_dropout}"),
-            (self.kernel in ("torch", "triton"), f"kernel must be 'torch' or 'triton', not {self.kernel!r}"),
-            (self.kernel == "torch" or self.attn == "damcha", "kernel='triton' is for attn='damcha' only"),
-            (self.kernel == "torch" or self.qk == "slice", "kernel='triton' is for qk='slice' only"),
-            (self.qk in ("slice", "proj"), f"qk must be 'slice' or 'proj', not {self.qk!r}"),
-            (self.metric_init in ("normal", "identity"), f"metric_init must be 'normal' or 'identity', not {self.metric_init!r}"),
-            (self.metric_init == "normal" or self.bias or not self.adaptive,
-             "metric_init='identity' sets the generator's last bias: it needs bias=True"),
             (self.mlp_hidden >= 0, f"mlp_hidden must be at least 0 (0: 4 * n_embd), not {self.mlp_hidden}"),
+            (self.kernel == "torch" or self.attn == "damcha", "kernel='triton' is for attn='damcha' only"),
             (self.kernel == "torch" or self.attn_dropout == 0,
              "kernel='triton' has no attention-probability dropout: use attn_dropout=0 (dropout is fine)"),
+            (self.metric_init == "normal" or self.bias or not self.adaptive,
+             "metric_init='identity' sets the generator's last bias: it needs bias=True"),
         ]
         for ok, message in checks:
             if not ok:
@@ -123,62 +112,44 @@ def prefix_mean(z, state=None):
     return total / count.view(1, -1, 1)
 
 
-def generator_sizes(config, out):
-    """The widths of f's layers, input to output: D -> w -> ... -> w -> out (P linear layers)."""
-    return [config.n_embd] + [config.gen_width] * (config.gen_depth - 1) + [out]
-
-
-class MetricGenerator(nn.ModuleList):
-    """f of Eq. 3: P linear layers D -> w -> ... -> w -> out with GELU between them. The layers
-    are the list's items, so their keys are gen.{p}.weight and gen.{p}.bias, as docs/model.md names them."""
-
-    def __init__(self, config):
-        D, H = config.n_embd, config.n_head
-        out = D * D if config.gen_out == "full" else H * (D // H) ** 2
-        sizes = generator_sizes(config, out)
-        super().__init__(nn.Linear(n_in, n_out, bias=config.bias) for n_in, n_out in zip(sizes, sizes[1:]))
-        self.config = config
-
-    def __getitem__(self, idx):
-        # ModuleList rebuilds a slice as its own class, which takes a config, not layers: a slice
-        # (gen[:-1], the hidden layers) is a plain ModuleList of the same layers
-        return nn.ModuleList(list(self)[idx]) if isinstance(idx, slice) else super().__getitem__(idx)
-
-    def forward(self, c):
-        # c (B, T, D) -> m (B, T, H, dh, dh)
-        *hidden, last = self
-        h = c
-        for layer in hidden:
-            h = F.gelu(layer(h), approximate="tanh")                 # (B, T, w)
-        weight, bias = last.weight, last.bias
-        H, D = self.config.n_head, self.config.n_embd
-        dh = D // H
-        if self.config.gen_out == "full":
-            # Eq. 4 moved onto the weights: RowSum is linear, so it commutes with the last affine
-            # layer. Summing its (D*D, w) weight over the block columns j gives an (H*dh*dh, w)
-            # layer with the same outputs: M (B, T, D, D) is never built, and autograd sends
-            # the exact gradient back to every entry of the full weight.
-            weight = rowsum(weight, self.config).reshape(H * dh * dh, -1)
-            bias = None if bias is None else rowsum(bias, self.config).reshape(H * dh * dh)
-        return F.linear(h, weight, bias).unflatten(-1, (H, dh, dh))  # (B, T, H, dh, dh)
-
-
 def add_metric(owner, config):
-    """Give `owner` (the GPT when shared, a layer's attention otherwise) its generator `gen`, or
-    with adaptive=False its static metric `metric`: the keys docs/model.md names, with no extra prefix."""
+    """Give `owner` (the GPT when shared, a layer's attention otherwise) its generator `gen`, f of
+    Eq. 3: P linear layers D -> w -> ... -> w -> out, out = D*D (full) or H*dh*dh (folded); or with
+    adaptive=False its static metric `metric`. The keys are gen.{p}.weight, gen.{p}.bias and
+    metric, as docs/model.md names them."""
     D, H = config.n_embd, config.n_head
+    dh = D // H
     if config.adaptive:
-        owner.gen = MetricGenerator(config)
+        sizes = [D] + [config.gen_width] * (config.gen_depth - 1) + [D * D if config.gen_out == "full" else H * dh * dh]
+        owner.gen = nn.ModuleList(nn.Linear(n_in, n_out, bias=config.bias) for n_in, n_out in zip(sizes, sizes[1:]))
     else:
-        shape = (D, D) if config.gen_out == "full" else (H, D // H, D // H)
-        owner.metric = nn.Parameter(torch.empty(shape))
+        owner.metric = nn.Parameter(torch.empty((D, D) if config.gen_out == "full" else (H, dh, dh)))
+
+
+def generator_forward(gen, c, config):
+    """f of Eq. 3 with Eq. 4: the context c (B, T, D) -> m (B, T, H, dh, dh), GELU between the layers."""
+    *hidden, last = gen
+    h = c
+    for layer in hidden:
+        h = F.gelu(layer(h), approximate="tanh")                     # (B, T, w)
+    weight, bias = last.weight, last.bias
+    H, D = config.n_head, config.n_embd
+    dh = D // H
+    if config.gen_out == "full":
+        # Eq. 4 moved onto the weights: RowSum is linear, so it commutes with the last affine
+        # layer. Summing its (D*D, w) weight over the block columns j gives an (H*dh*dh, w)
+        # layer with the same outputs: M (B, T, D, D) is never built, and autograd sends
+        # the exact gradient back to every entry of the full weight.
+        weight = rowsum(weight, config).reshape(H * dh * dh, -1)
+        bias = None if bias is None else rowsum(bias, config).reshape(H * dh * dh)
+    return F.linear(h, weight, bias).unflatten(-1, (H, dh, dh))     # (B, T, H, dh, dh)
 
 
 def compute_metric(owner, z, config, state=None):
     """The effective metrics m of `owner`'s generator fed with z (B, T, D), the attention input u
     of the layer that owns it: (B, T, H, dh, dh), or (H, dh, dh) for a static metric."""
     if config.adaptive:
-        return owner.gen(prefix_mean(z, state))                      # Eqs. 3-4 on the context c
+        return generator_forward(owner.gen, prefix_mean(z, state), config)   # Eqs. 3-4 on the context c
     H = config.n_head
     dh = config.n_embd // H
     if config.gen_out == "full":
@@ -186,18 +157,8 @@ def compute_metric(owner, z, config, state=None):
     return owner.metric
 
 
-def identity_metric(config):
-    """The metric whose every m_i is the identity, in the layout of the static metric or of the
-    generator's last bias: folded (H, dh, dh), full the D x D identity (M_ii = I, M_ij = 0 for
-    j != i, so RowSum gives I with blocks "all" or "diag", and 0 with "offdiag")."""
-    D, H = config.n_embd, config.n_head
-    if config.gen_out == "full":
-        return torch.eye(D)
-    return torch.eye(D // H).expand(H, -1, -1).clone()
-
-
 # ----------------------------------------------------------------------------------------------
-# The transformer
+# Attention (Eqs. 5-8)
 
 def extend_cache(state, k, v):
     """Decoding: append the new keys and values k, v (B, H, T, dh) to those of the earlier
@@ -215,10 +176,8 @@ class MetricQuery(torch.autograd.Function):
     dtype -> (B, T, H, dh). The backward is the one autograd derives for the batched matmul, but
     writes dm_t = x_t^T dq_t, an outer product per position and head, as a broadcast multiply.
     With a shared m (share=True) every layer adds such a dm, as large as m, to m's gradient.
-    Elementwise, torch.compile fuses the L products into their sum and stores none of them; as
-    matmul outputs (inductor of torch 2.11; 2.13 rewrites the product itself) they stayed alive
-    together until the sum: 9,630 MiB peak instead of eager's 5,644 on an H200 (results/gpu/).
-    Eager keeps its speed."""
+    Elementwise, torch.compile can fuse the L products into their sum and store none of them;
+    as matmul outputs they may all stay alive until the sum."""
 
     @staticmethod
     def forward(ctx, x, m):
@@ -233,70 +192,96 @@ class MetricQuery(torch.autograd.Function):
         return dx, dm
 
 
-class CausalSelfAttention(nn.Module):
-    """DAMCHA attention (Eqs. 3-8), or with attn="mha" standard multi-head attention. With
-    qk="proj" DAMCHA's metric acts on MHA's projections: x_i below is (u W_q^T)_i for the query
-    and (u W_k^T)_i for the key, from MHA's c_attn, which also gives v."""
+class Attention(nn.Module):
+    """What the attentions below share: Eqs. 5-8 from the queries, keys and values on."""
 
-    def __init__(self, config):
-        super().__init__()
-        D = config.n_embd
-        if config.attn == "damcha" and config.qk == "slice":
-            self.c_v = nn.Linear(D, D, bias=config.bias)             # Eq. 7: the value projection
-        else:
-            self.c_attn = nn.Linear(D, 3 * D, bias=config.bias)      # rows [q; k; v]
-        if config.attn == "damcha" and not config.share:
-            add_metric(self, config)
-        self.c_proj = nn.Linear(D, D, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
-        self.config = config
-
-    def forward(self, u, m=None, state=None):
-        """u (B, T, D), the normalised layer input. m: the stack's shared metrics, or None when
-        this layer owns its generator or static metric (or attn="mha"). state: this layer's
-        decoding cache, or None. Returns y (B, T, D)."""
-        B, T, D = u.size()
-        H = self.config.n_head
-        dh = D // H
-        if self.config.attn == "mha":
-            q, k, v = (a.view(B, T, H, dh).transpose(1, 2) for a in self.c_attn(u).split(D, dim=2))
-        else:
-            if m is None:
-                m = compute_metric(self, u, self.config, state)      # Eqs. 3-4: (B, T, H, dh, dh), static (H, dh, dh)
-            if self.config.qk == "slice":
-                x = xk = u.view(B, T, H, dh)                         # head slices x_i: no q/k projections
-                v = self.c_v(u).view(B, T, H, dh).transpose(1, 2)    # Eq. 7, (B, H, T, dh)
-            else:                                                    # projected: x_i = (u W_q^T)_i, keys (u W_k^T)_i
-                x, xk, v = (a.view(B, T, H, dh) for a in self.c_attn(u).split(D, dim=2))
-                v = v.transpose(1, 2)                                # (B, H, T, dh)
-            # The kernel is for per-token metrics. A static m gives q = x m as one small matmul, and
-            # then SDPA's flash attention is twice the fused kernel's speed (bf16, H200); decoding
-            # (state) keeps the torch path too
-            if self.config.kernel == "triton" and state is None and m.dim() == 5:
-                from damcha_triton import damcha_attention           # imports triton only when asked
-                # Eqs. 5-7 in one kernel: each query q_i = x_i m_i is formed on chip from its tile of m,
-                # and the (B, H, T, T) scores never reach memory
-                y = damcha_attention(x.transpose(1, 2), m, v)                              # (B, H, T, dh)
-                return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, D)))   # Eq. 8
-            # Eq. 5: q_i = x_i m_i, a (1 x dh)(dh x dh) product per head and position, m (B, T, H, dh, dh),
-            # or per head for a static m (H, dh, dh). Per-token m goes through MetricQuery (a batched
-            # matmul: 10% faster for a whole CPU training step than the einsum it equals), for the
-            # memory of the compiled backward; x takes m's dtype, as autocast's matmul would cast it.
-            # A static m is one matmul per head, so that its gradient sums x^T dq over the positions
-            # inside the matmul: a broadcast matmul would first form it per position (B, T, H, dh, dh)
-            q = (MetricQuery.apply(x.to(m.dtype), m) if m.dim() == 5
-                 else torch.einsum("bthd,hde->bthe", x, m))
-            q = q.transpose(1, 2)                                    # (B, H, T, dh)
-            k = xk.transpose(1, 2)                                   # slice: the keys are the x_i themselves; proj: (u W_k^T)_i
+    def attend(self, q, k, v, state):
+        """q, k, v (B, H, T, dh) of the T new positions; state: this layer's decoding cache, or None.
+        Returns the layer's output (B, T, D)."""
         k, v = extend_cache(state, k, v)                             # (B, H, t + T, dh): the cached keys, then these
         # Eqs. 5-7: softmax(q k^T / sqrt(dh)) v over s <= t. With a cache the T new queries are the
         # last positions, so causal masking is only needed when there is no earlier token;
         # GPT.forward feeds a single token once the cache holds any.
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.config.attn_dropout if self.training else 0.0,
                                            is_causal=q.size(2) == k.size(2))                    # (B, H, T, dh)
-        y = y.transpose(1, 2).reshape(B, T, D)                       # Eq. 8: concat(O_0 .. O_{H-1})
-        return self.resid_dropout(self.c_proj(y))
+        return self.project(y)
 
+    def project(self, y):
+        """Eq. 8: concat(O_0 .. O_{H-1}) W_o, y (B, H, T, dh) -> (B, T, D)."""
+        B, H, T, dh = y.size()
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, H * dh)))
+
+
+class CausalSelfAttention(Attention):
+    """Multi-head attention, attn="mha": nanoGPT's, with queries, keys and values from c_attn."""
+
+    def __init__(self, config):
+        super().__init__()
+        D = config.n_embd
+        self.c_attn = nn.Linear(D, 3 * D, bias=config.bias)          # rows [q; k; v]
+        self.c_proj = nn.Linear(D, D, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.config = config
+
+    def forward(self, u, m=None, state=None):
+        """u (B, T, D), the normalised layer input; m unused (DAMCHA's metrics); state: this
+        layer's decoding cache, or None. Returns y (B, T, D)."""
+        B, T, D = u.size()
+        H = self.config.n_head
+        q, k, v = (a.view(B, T, H, D // H).transpose(1, 2) for a in self.c_attn(u).split(D, dim=2))
+        return self.attend(q, k, v, state)
+
+
+class DamchaAttention(Attention):
+    """DAMCHA attention, Eqs. 3-8: no query or key projections. Head i's query is q_i = x_i m_i,
+    its key x_i itself, x_i its slice of the layer input u; its value comes from c_v (Eq. 7).
+    A subclass may form x_i and the keys otherwise (add_projections and heads)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.add_projections(config)
+        if not config.share:
+            add_metric(self, config)                                 # this layer's own generator or static metric
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.config = config
+
+    def add_projections(self, config):
+        self.c_v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)   # Eq. 7: the value projection
+
+    def heads(self, u):
+        """u (B, T, D) -> the query inputs x_i, the keys and the values, each (B, T, H, dh)."""
+        B, T, D = u.size()
+        x = u.view(B, T, self.config.n_head, D // self.config.n_head)   # head slices x_i: the keys themselves
+        return x, x, self.c_v(u).view_as(x)
+
+    def forward(self, u, m=None, state=None):
+        """u (B, T, D), the normalised layer input. m: the stack's shared metrics, or None when
+        this layer owns its generator or static metric. state: this layer's decoding cache, or
+        None. Returns y (B, T, D)."""
+        if m is None:
+            m = compute_metric(self, u, self.config, state)          # Eqs. 3-4: (B, T, H, dh, dh), static (H, dh, dh)
+        x, k, v = self.heads(u)                                      # (B, T, H, dh) each
+        # The kernel serves per-token metrics: it forms q = x m on chip and never stores the
+        # scores. A static m makes q one small matmul, after which SDPA's flash attention is the
+        # faster path; decoding (state) keeps the torch path too.
+        if self.config.kernel == "triton" and state is None and m.dim() == 5:
+            from damcha_triton import damcha_attention               # imports triton only when asked
+            return self.project(damcha_attention(x.transpose(1, 2), m, v.transpose(1, 2)))   # Eqs. 5-8
+        # Eq. 5: q_i = x_i m_i, per head and position for m (B, T, H, dh, dh), through MetricQuery,
+        # x taking m's dtype as autocast's matmul would cast it. A static m (H, dh, dh) is one
+        # matmul per head, so its gradient sums x^T dq over the positions inside the matmul
+        # rather than forming it per position, (B, T, H, dh, dh).
+        q = (MetricQuery.apply(x.to(m.dtype), m) if m.dim() == 5
+             else torch.einsum("bthd,hde->bthe", x, m))
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), state)
+
+
+ATTENTION = {"damcha": DamchaAttention, "mha": CausalSelfAttention}   # GPTConfig.attn -> the module of h.{l}.attn
+
+
+# ----------------------------------------------------------------------------------------------
+# The transformer
 
 class MLP(nn.Module):
 
@@ -318,11 +303,7 @@ class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        if config.attn in ("tha", "dcmha"):
-            from lab.baselines import ComposedAttention                  # the baselines' own module
-            self.attn = ComposedAttention(config)
-        else:
-            self.attn = CausalSelfAttention(config)
+        self.attn = ATTENTION[config.attn](config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -335,34 +316,31 @@ class Block(nn.Module):
 def init_weights(model, n_layer):
     """nanoGPT's initialisation, as damcha_numpy.init_params: N(0, 0.02) for every Linear and
     Embedding weight, the generator and the static metric; zero biases; the residual projections
-    c_proj N(0, 0.02 / sqrt(2 n_layer)). The baselines' extras (baselines.py): THA's mixes stay
-    zero as built, DCMHA's dyn_proj is N(0, 0.02) and its gates dyn_gate zero (tanh(0) = 0: the
-    compositions start near the identity, i.e. near MHA, and every weight has a gradient).
-    metric_init="identity" then sets every static metric, or every generator's last bias, to
-    identity_metric: each m_i starts at I, plus the generator's N(0, 0.02) noise."""
-    if any(p.is_meta for p in model.parameters()):
-        # count_params builds on the meta device, where a tensor has a shape but no values: there
-        # is nothing to initialise, and torch's meta init functions took 49 of count_params's 57 ms
-        return
+    c_proj N(0, 0.02 / sqrt(2 n_layer)); a module's parameters beyond these in its init_extra().
+    metric_init="identity" then sets every static metric, or every generator's last bias, to the
+    metric whose every m_i is I (M_ii = I, M_ij = 0: RowSum gives 0 with blocks="offdiag")."""
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
-    for name, p in model.named_parameters():
-        if name.endswith("c_proj.weight"):
-            nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
-        elif name.endswith(("metric", "dyn_proj")):
-            nn.init.normal_(p, mean=0.0, std=0.02)
-        elif name.endswith("dyn_gate.weight"):
-            nn.init.zeros_(p)
+    # in the order of model.named_parameters() (a module's own, then its children's): a seed gives one model
+    for name, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if name.endswith("c_proj"):
+            nn.init.normal_(own["weight"], mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+        if "metric" in own:
+            nn.init.normal_(own["metric"], mean=0.0, std=0.02)
+        if hasattr(module, "init_extra"):
+            module.init_extra()
     config = model.config
-    if config.attn == "damcha" and config.metric_init == "identity":
-        last = f"gen.{config.gen_depth - 1}.bias"
+    if config.metric_init == "identity":
+        D, H = config.n_embd, config.n_head
+        eye = torch.eye(D) if config.gen_out == "full" else torch.eye(D // H).expand(H, -1, -1)   # M (D, D) or m (H, dh, dh)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith("metric") or name.endswith(last):
-                    p.copy_(identity_metric(config).reshape(p.shape))
+                if name.endswith(("metric", f"gen.{config.gen_depth - 1}.bias")):
+                    p.copy_(eye.reshape(p.shape))
 
 
 def configure_optimizers(model, weight_decay, learning_rate, betas, device_type):
@@ -375,26 +353,25 @@ def configure_optimizers(model, weight_decay, learning_rate, betas, device_type)
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({"fused": True} if device_type == "cuda" else {}))
 
 
-# Dense peak FLOP/s of one H100 / H200 SXM (the same Hopper tensor cores): 16-bit, TF32 (the
-# float32 matmuls when TF32 is allowed), and IEEE float32 on the CUDA cores
-PEAK_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "tf32": 494.5e12, "float32": 66.9e12}
-
-
 def shares_metric(config):
     """Section 3.4: one generator (or static metric) for the whole stack, owned by the model."""
-    return config.attn == "damcha" and config.share
+    return config.share and issubclass(ATTENTION[config.attn], DamchaAttention)
 
 
 def stack_forward(owner, x, cache=None):
     """owner.h, the stack of Blocks, on x (B, T, D) -> (B, T, D). A shared generator (owner.gen)
     runs once here, on layer 0's attention input u; that LayerNorm is recomputed inside the
-    block, which is cheap next to the generator. GPT and synthetic.py's SetModel both use it."""
+    block, which is cheap next to the generator. GPT and the lab's synthetic.py both use it."""
     config, m = owner.config, None
     if shares_metric(config):
         m = compute_metric(owner, owner.h[0].ln_1(x), config, None if cache is None else cache["shared"])
     for l, block in enumerate(owner.h):
         x = block(x, m, None if cache is None else cache["layers"][l])
     return x
+
+
+# Dense bfloat16 peak FLOP/s of one H100 / H200 SXM GPU (Hopper tensor cores): estimate_mfu's yardstick
+PEAK_FLOPS = 989e12
 
 
 class GPT(nn.Module):
@@ -441,51 +418,23 @@ class GPT(nn.Module):
         """An empty decoding state: the next position, and per layer a dict that fills with the
         keys 'k' and values 'v' (B, H, t, dh) and, for a layer owning a generator, the running
         sum 'zsum' (B, D) and count 'n' of its context; 'shared' holds those of a shared one.
-        DCMHA layers also keep their dynamic weights 'dyn' of every position."""
+        Another attention may keep more of its own there."""
         return {"pos": 0, "layers": [{} for _ in self.h], "shared": {}}
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """nanoGPT's method: configure_optimizers(self, ...) above."""
         return configure_optimizers(self, weight_decay, learning_rate, betas, device_type)
 
-    def flops_per_token(self):
-        """Training FLOPs per token at context block_size: 6 per multiply-add of the forward pass
-        (2 forward, 4 backward), counting the matmuls as nanoGPT does (PaLM, appendix B), plus
-        the metric generator and the metric application q_i = x_i m_i (Eq. 5), or the baselines'
-        head mixing. Attention is causal: a query at t meets t + 1 keys, T / 2 on average, so the
-        per-pair terms count half of the full T x T. gen_out="full" runs folded
-        (MetricGenerator.forward), so both outputs count the generator's last layer as
-        w*H*dh*dh per token; folding the weights (D*D*w adds per pass) is left out."""
+    def estimate_mfu(self, fwdbwd_per_iter, dt):
+        """Model FLOPs utilisation of fwdbwd_per_iter sequences in dt seconds, against PEAK_FLOPS.
+        nanoGPT's estimate (PaLM, appendix B): 6 FLOPs per parameter and token (2 forward, 4
+        backward) and 12 L T D for the attention scores and values over the full T x T. It counts
+        each parameter once per token, so gen_out="full", whose last generator layer runs folded
+        (H times fewer multiply-adds than its parameters), reads high."""
         cfg = self.config
-        D, L, T, H = cfg.n_embd, cfg.n_layer, cfg.block_size, cfg.n_head
-        dh = D // H
-        attention = T * D                                            # q k^T and A v: 2 D per key, T / 2 keys
-        if cfg.attn == "damcha":
-            per_layer = (2 if cfg.qk == "slice" else 4) * D * D + D * dh + attention   # c_v or c_attn, c_proj, Eq. 5
-        else:
-            per_layer = 4 * D * D + attention                        # c_attn, c_proj
-        if cfg.attn in ("tha", "dcmha"):
-            from lab.baselines import mixing_macs
-            per_layer += mixing_macs(cfg)
-        per_layer += 2 * D * (cfg.mlp_hidden or 4 * D)               # mlp
-        generator = 0
-        if cfg.attn == "damcha" and cfg.adaptive:
-            sizes = generator_sizes(cfg, D * dh)                     # the last layer as it runs: folded
-            generator = sum(a * b for a, b in zip(sizes, sizes[1:])) * (1 if cfg.share else L)
-        return 6 * (L * per_layer + generator + D * cfg.vocab_size)  # + tied lm_head
-
-    def estimate_mfu(self, fwdbwd_per_iter, dt, dtype="bfloat16", peak_flops=None):
-        """Model FLOPs utilisation: flops_per_token() * block_size * fwdbwd_per_iter FLOPs in dt
-        seconds, against peak_flops, or by default the peak of one H100 / H200 SXM GPU for the
-        dtype the matmuls run in (PEAK_FLOPS): "bfloat16" or "float16" 989e12 FLOP/s dense,
-        "tf32" 494.5e12 (float32 with TF32 allowed), "float32" 66.9e12 (IEEE). A torch.dtype
-        is accepted: torch.float32 counts as "tf32" when CUDA's float32 matmuls may use TF32."""
-        if isinstance(dtype, torch.dtype):
-            dtype = str(dtype).removeprefix("torch.")
-            if dtype == "float32" and tf32_matmuls():
-                dtype = "tf32"
-        flops_per_iter = self.flops_per_token() * self.config.block_size * fwdbwd_per_iter
-        return flops_per_iter / dt / (peak_flops or PEAK_FLOPS[dtype])
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        flops_per_token = 6 * self.get_num_params() + 12 * L * H * Q * T
+        return flops_per_token * T * fwdbwd_per_iter / dt / PEAK_FLOPS
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
@@ -513,42 +462,6 @@ class GPT(nn.Module):
             probs = F.softmax(logits, dim=-1)
             idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
         return idx
-
-
-# ----------------------------------------------------------------------------------------------
-# Parameter counts and the learning-rate schedule, for the scripts
-
-def count_params(fields):
-    """GPT.get_num_params of GPTConfig(**fields), built on the meta device: no memory, no time."""
-    with torch.device("meta"):
-        return GPT(GPTConfig(**fields)).get_num_params()
-
-
-def equal_params_width(target, fields, field="gen_width"):
-    """The width w at which GPTConfig(**fields, <field>=w) has the parameter count nearest to
-    target: field "gen_width", the generator's hidden width (a DAMCHA with a generator), or
-    "mlp_hidden", the MLP's (any model). The count grows with w, so bisect."""
-    count = lambda w: count_params(dict(fields, **{field: w}))
-    lo, hi = 1, 2
-    while count(hi) < target:
-        lo, hi = hi, 2 * hi
-        if hi > 2**20:
-            raise ValueError(f"no {'generator width' if field == 'gen_width' else 'MLP width'} reaches {target:,} parameters")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if count(mid) < target else (lo, mid)
-    return min((lo, hi), key=lambda w: abs(count(w) - target))
-
-
-def tf32_matmuls():
-    """Whether CUDA's float32 matmuls may run in TF32 (torch.set_float32_matmul_precision("high")).
-    torch >= 2.9 says so through fp32_precision, where "none" defers to the setting for all
-    backends, and reading the legacy allow_tf32 raises once fp32_precision has been set."""
-    matmul = torch.backends.cuda.matmul
-    if not hasattr(matmul, "fp32_precision"):
-        return matmul.allow_tf32
-    precision = matmul.fp32_precision
-    return (torch.backends.fp32_precision if precision == "none" else precision) == "tf32"
 
 
 def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):

@@ -24,7 +24,7 @@ runs the same kernels in Python. The interpreter is chosen by TRITON_INTERPRET=1
 when this module is imported (tests/test_triton.py sets it itself when there is no GPU):
     python -m pytest -q tests/test_triton.py         # the checks: interpreter on a CPU, or the GPU
     python -m pytest -q tests/test_sm90_compile.py   # every kernel compiled for sm_90, no GPU needed
-    python bench_triton_gpu.py                       # correctness, speed and memory on a GPU
+    python lab/bench_triton_gpu.py                   # correctness, speed and memory on a GPU
 float32 products are IEEE float32 unless torch's float32 matmul precision allows TF32
 (torch.backends.cuda.matmul.fp32_precision = "tf32", or the older allow_tf32); then they are TF32,
 as torch's float32 matmuls are.
@@ -40,8 +40,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from damcha_torch import tf32_matmuls
 
 LOG2E = math.log2(math.e)     # the kernels use exp2: exp(s) = exp2(s * log2(e))
 MAX_DH = 128                  # beyond this the (BLOCK, DH) float32 tiles outgrow the registers
@@ -398,6 +396,17 @@ def _grid(x):
     return lambda meta: (B * H, triton.cdiv(T, meta["BLOCK"]))
 
 
+def tf32_matmuls():
+    """Whether CUDA's float32 matmuls may run in TF32 (torch.set_float32_matmul_precision("high")).
+    Where torch has fp32_precision, "none" defers to the setting for all backends, and reading the
+    legacy allow_tf32 raises once fp32_precision has been set."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        return matmul.allow_tf32
+    precision = matmul.fp32_precision
+    return (torch.backends.fp32_precision if precision == "none" else precision) == "tf32"
+
+
 def _precision(dtype):
     """"ieee" or "tf32" for float32 dots, following torch's setting for float32 matmuls on CUDA."""
     return "tf32" if dtype == torch.float32 and tf32_matmuls() else "ieee"   # 16-bit dots ignore it
@@ -506,8 +515,8 @@ def _backward(ctx, do, dlse, dq_output):
     # torch.compile sees it. With a shared m every layer adds such a dm to m's gradient; for
     # per-token metrics it is as large as m. As an elementwise product (an outer product per
     # position and head, as damcha_torch.MetricQuery writes it) inductor can fuse the L layers' dm
-    # into their sum and store none of them; as outputs of the op they all stayed alive until the
-    # sum (compiled step: 10,459 MiB peak against eager's 4,828 on an H200, results/gpu/)
+    # into their sum and store none of them; as outputs of the op they may all stay alive until
+    # the sum (results/gpu/)
     x, dq = x.transpose(1, 2), dq.transpose(1, 2)                     # (B, T, H, dh), as m's axes
     if m.dim() == 5:
         dm = x.unsqueeze(-1) * dq.unsqueeze(-2)                       # (B, T, H, dh, dh)
@@ -544,6 +553,6 @@ def damcha_attention(x, m, v):
     elif not INTERPRETED:
         raise ValueError(f"tensors on {x.device} need Triton's interpreter: set TRITON_INTERPRET=1 "
                          "before importing triton")
-    elif x.dtype not in (torch.float32, torch.float16):   # its bfloat16 dots come out wrong (Triton 3.9)
+    elif x.dtype not in (torch.float32, torch.float16):   # its bfloat16 dots come out wrong
         raise ValueError(f"Triton's interpreter runs the kernels in float32 or float16, not {x.dtype}")
     return _attention(x, m, v)[0]

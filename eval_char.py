@@ -11,6 +11,7 @@ sampling settings are this script's own. Settings: the defaults below, then conf
     python eval_char.py --out_dir=out-enwik8-damcha --stride=256     # overlapping windows: more context per token
     python eval_char.py --out_dir=out-enwik8-damcha --blocks=diag    # Table 3's ablation of a gen_out=full model
     python eval_char.py --mode=sample --out_dir=out-shakespeare --start="ROMEO:" --num_samples=3
+                                                # each sample printed as soon as it is generated
     python eval_char.py --mode=plot --out_dir=out-enwik8-damcha,out-enwik8-mha --plot_file=enwik8.png
 
 eval scores every next-character target of a split exactly once: windows of block_size start every
@@ -27,9 +28,10 @@ import sys
 
 import torch
 
+import damcha_torch
 from checkpoint import (autocast_for, build_model, check_kernel, check_run_settings, from_checkpoint, load_checkpoint,
                         pick_device, read_jsonl, why)
-from configurator import configure, die
+from configurator import configure, die, pipe_closed
 from damcha_torch import GPTConfig
 from data.prepare import check_lengths, decode, encode, load_dataset, split_loss
 
@@ -39,7 +41,7 @@ DEFAULTS = dict(
     # taken from the checkpoint unless given here
     dataset='shakespeare',        # shakespeare | enwik8 | text8 | mix | path to a text file
     data_dir='',                  # prepared datasets go in <data_dir>/<name>/; '' is data/ beside this file
-    seed=1337,
+    seed=1337,                    # of the samples
     device='auto',                # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     dtype='auto',                 # auto (CUDA: bfloat16 if supported, else float16; float32 elsewhere)
     batch_size=12,                # windows per forward pass in eval
@@ -49,10 +51,10 @@ DEFAULTS = dict(
     stride=0,                     # window step; 0: block_size (non-overlapping windows)
     # sample (this script's own: not the trainer's settings for its end-of-run sample)
     start='',                     # prompt, or FILE:path; '' is a newline (a space for text8)
-    num_samples=1,
-    max_new_tokens=500,
-    temperature=0.8,
-    top_k=0,                      # 0: sample from the whole distribution
+    num_samples=1,                # samples, each printed as soon as it is generated
+    max_new_tokens=500,           # characters per sample
+    temperature=0.8,              # below 1: likelier characters; above 1: more varied ones
+    top_k=0,                      # sample from the k likeliest characters; 0: from all
     # plot
     plot_file='',                 # '' is bpc.png in the first out_dir
 )
@@ -107,13 +109,14 @@ def sample(cfg, given):
         print("note: compile=True applies to --mode=eval; sampling runs the model uncompiled", file=sys.stderr)
     ckpt, cfg, model, device, ctx = load_for_inference(cfg, given)
     ids = encode(cfg['start'], ckpt['vocab'], cfg['block_size'])
+    print(f"sampling {cfg['num_samples']} x {cfg['max_new_tokens']} characters from {cfg['out_dir']}/ckpt.pt "
+          f"(iter {ckpt['iter_num']}) on {device}", file=sys.stderr)
     torch.manual_seed(cfg['seed'])
-    with ctx:
-        out = model.generate(torch.tensor([ids] * cfg['num_samples'], device=device), cfg['max_new_tokens'],
-                             cfg['temperature'], cfg['top_k'] or None)
-    for row in out.tolist():
-        print(decode(row, ckpt['vocab']))
-        print('---------------')
+    for _ in range(cfg['num_samples']):   # one at a time: each is printed once it is generated
+        with ctx:
+            out = model.generate(torch.tensor([ids], device=device), cfg['max_new_tokens'], cfg['temperature'],
+                                 cfg['top_k'] or None)
+        print(decode(out[0].tolist(), ckpt['vocab']) + '\n---------------', flush=True)
 
 
 def plot(cfg, given):
@@ -149,10 +152,12 @@ def plot(cfg, given):
 
 
 def main(argv):
-    cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__)
+    cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__, described_in=(__file__, damcha_torch.__file__))
     check_run_settings(cfg, RANGES)
     try:
         dict(eval=evaluate, sample=sample, plot=plot)[cfg['mode']](cfg, given)
+    except BrokenPipeError:   # stdout's reader went away (| head): not an error
+        pipe_closed()
     except OSError as e:   # an unwritable plot_file, a full disk: the system's own one-line reason
         die(why(e) if e.errno == errno.ENOSPC else e)
     except KeyboardInterrupt:

@@ -1,24 +1,26 @@
 """
-data/prepare.py: the character-level datasets: download, verify, prepare and load them, draw
-batches from them, and score a model on a whole split.
+data/prepare.py: the character-level datasets: download, verify, prepare and load them, and score
+a model on a whole split (eval_char.py's bpc). train_char.py draws its batches from what
+load_dataset returns (get_batch there).
 
     python data/prepare.py enwik8                    # download, check and prepare enwik8
     python data/prepare.py shakespeare text8 mix     # several at once; mix is enwik8 and text8
     python data/prepare.py notes.txt --data_dir=/big/disk/data
 
 train_char.py prepares a dataset on its first use, so running this is optional: it does the
-download ahead, on a machine with a network say. From the repository root the trainer, reproduce.py
-and the notebooks import it: `from data.prepare import load_dataset, encode, decode, split_loss`.
+download ahead, on a machine with a network say. From the repository root the trainer, eval_char.py,
+the lab and the notebooks import it: `from data.prepare import load_dataset, encode, decode, split_loss`.
 
-Datasets are prepared once into <data_dir>/<name>/ (data_dir '' is this folder) as uint8 token ids
+Datasets are prepared once into <data_dir>/<name>/ (data_dir '' is this folder, data/ in the
+repository; a text file goes into <data_dir>/<its stem>/) as uint8 token ids
 ({train,val,test}.bin, read with np.memmap) and meta.json (vocabulary as byte values, split sizes,
-source, checksum):
+source, checksum); preparing one says where it went, on stderr:
     shakespeare  the bundled data/shakespeare/input.txt: its distinct bytes, 90% train / 10% val
                  (no test split, so eval reports val only)
     enwik8       the first 10^8 bytes of English Wikipedia XML: 256 bytes, 90M / 5M / 5M
     text8        10^8 characters of a-z and space: 27 symbols, 90M / 5M / 5M
     mix          the paper's 50-50 mixture of enwik8 and text8 over the 256-byte vocabulary:
-                 each training row comes from either with probability 1/2 (draw_rows)
+                 each training row comes from either with probability 1/2 (train_char.get_batch)
     PATH         any text file, read as bytes: its distinct bytes, 90 / 5 / 5, under data/<file stem>/
 Without a network, put enwik8.zip or text8.zip (from mattmahoney.net/dc/) in data/enwik8/ or data/text8/.
 """
@@ -31,7 +33,6 @@ import sys
 import urllib.request
 import zipfile
 import zlib
-from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from tqdm import tqdm
 HERE = os.path.dirname(os.path.abspath(__file__))
 if __name__ == '__main__':   # run as a script: the repository root, which holds configurator.py, is above
     sys.path.insert(0, os.path.dirname(HERE))
+from checkpoint import atomic_write  # noqa: E402
 from configurator import configure, die  # noqa: E402
 
 # The downloadable corpora. The tests point these at small archives of their own.
@@ -55,26 +57,6 @@ SOURCES = {
 }
 MIX = ('enwik8', 'text8')
 BUNDLED = os.path.join(HERE, 'shakespeare', 'input.txt')
-
-
-@contextmanager
-def atomic_write(path):
-    """A binary file to write that appears at `path` only once complete: it is written beside it,
-    flushed to disk, then renamed over it. A crash leaves the old file or none, never half a file.
-    The temporary file is this process's own (two processes never write the same one) and any
-    failure (a full disk, Ctrl-C, an error in the caller's block) removes it before passing on.
-    Every save of the project goes through here (prepared data, checkpoints, snapshots, logs)."""
-    tmp = f'{path}.{os.getpid()}.tmp'
-    try:
-        with open(tmp, 'wb') as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,12 +214,13 @@ def corpora(name, data_dir=''):
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading, batches, text <-> token ids, and the score of a model on a whole split
+# Loading, text <-> token ids, and the score of a model on a whole split
 
 def load_dataset(name, data_dir='', vocab=None):
-    """(components, vocabulary). A component is one corpus (mix has two): its name, its splits
-    as memmaps and `lut`, its ids -> model ids (None when they are the same). The vocabulary, a
-    list of byte values, is the union of the components' unless a checkpoint fixes it."""
+    """(components, vocabulary). A component is one corpus (mix has two): its name, the folder
+    it was prepared in, its splits as memmaps and `lut`, its ids -> model ids (None when they are
+    the same). The vocabulary, a list of byte values, is the union of the components' unless a
+    checkpoint fixes it."""
     names = corpora(name, data_dir)
     metas = [prepare(n, data_dir) for n in names]
     if vocab is None:
@@ -251,31 +234,8 @@ def load_dataset(name, data_dir='', vocab=None):
         lut = None if meta['vocab'] == vocab else torch.tensor([vocab.index(b) for b in meta['vocab']])
         splits = {s: np.memmap(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8, mode='r') if size
                   else np.zeros(0, dtype=np.uint8) for s, size in meta['splits'].items()}
-        components.append(dict(name=n, lut=lut, splits=splits))
+        components.append(dict(name=n, dir=meta['dir'], lut=lut, splits=splits))
     return components, vocab
-
-
-def draw_rows(components, split, n, block_size, generator):
-    """n training rows as (component, offset): the component uniformly at random (1/2 each for
-    mix), the offset uniformly over that split's windows of block_size + 1 tokens."""
-    which = torch.randint(len(components), (n,), generator=generator)
-    room = torch.tensor([len(c['splits'][split]) - block_size for c in components], dtype=torch.float64)
-    offsets = (torch.rand(n, generator=generator, dtype=torch.float64) * room[which]).long()
-    return which, offsets
-
-
-def get_batch(components, split, which, offsets, block_size, device):
-    """Inputs x and next-token targets y, (B, T) int64 on device."""
-    rows = []
-    for c, o in zip(which.tolist(), offsets.tolist()):
-        row = torch.from_numpy(components[c]['splits'][split][o:o + block_size + 1].astype(np.int64))
-        rows.append(row if components[c]['lut'] is None else components[c]['lut'][row])
-    xy = torch.stack(rows)
-    if device.startswith('cuda'):
-        xy = xy.pin_memory().to(device, non_blocking=True)
-    else:
-        xy = xy.to(device)
-    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()   # contiguous: models may .view() them
 
 
 def check_lengths(components, splits, block_size):

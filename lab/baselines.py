@@ -1,8 +1,9 @@
 """
 baselines.py: the attention baselines that DAMCHA is compared against besides MHA, both multi-head
-attention whose heads are mixed before and after the softmax. damcha_torch builds them for
-GPTConfig(attn="tha") and GPTConfig(attn="dcmha"); they use MHA's c_attn (rows [q; k; v]) and
-c_proj, so with the mixing at the identity they are MHA (tests/test_baselines.py):
+attention whose heads are mixed before and after the softmax. lab/variants.py registers them, so
+that damcha_torch builds them for GPTConfig(attn="tha") and GPTConfig(attn="dcmha"); they use
+MHA's c_attn (rows [q; k; v]) and c_proj, so with the mixing at the identity they are MHA
+(tests/test_baselines.py):
 
   "tha"    Talking-Heads attention (Shazeer et al. 2020): a learned H x H matrix mixes the heads'
            logits before the softmax and another mixes their probabilities after it. Stored as
@@ -21,8 +22,9 @@ c_proj, so with the mixing at the identity they are MHA (tests/test_baselines.py
 
 Both materialise the (B, H, T, T) logits and probabilities, which F.scaled_dot_product_attention
 does not expose: their activation memory grows as T^2. damcha_numpy.py has "damcha" and "mha" only.
-Their initialisation is GPT's (damcha_torch.init_weights).
+Their initialisation is GPT's (damcha_torch.init_weights), which calls init_extra for their own.
 
+    import lab.variants
     from damcha_torch import GPT, GPTConfig
     model = GPT(GPTConfig(attn="dcmha"))
 """
@@ -52,7 +54,7 @@ def compose(A, query, key):
 
 
 def mixing_macs(config):
-    """Multiply-adds per token and layer that the head mixing adds to MHA's (GPT.flops_per_token),
+    """Multiply-adds per token and layer that the head mixing adds to MHA's (lab/counts.flops_per_token),
     the per-(t, s) terms over the T / 2 keys a causal query meets on average."""
     D, T, H, R = config.n_embd, config.block_size, config.n_head, DCMHA_RANK
     if config.attn == "tha":
@@ -80,6 +82,14 @@ class ComposedAttention(nn.Module):
         self.c_proj = nn.Linear(D, D, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.config = config
+
+    def init_extra(self):
+        """Called by GPT's init_weights after every Linear is N(0, 0.02): THA's mixes stay zero as
+        built; DCMHA's dyn_proj is N(0, 0.02) and its gates dyn_gate zero (tanh(0) = 0: the
+        compositions start near the identity, i.e. near MHA, and every weight has a gradient)."""
+        if self.config.attn == "dcmha":
+            nn.init.normal_(self.dyn_proj, mean=0.0, std=0.02)
+            nn.init.zeros_(self.dyn_gate.weight)
 
     def forward(self, u, m=None, state=None):
         """u (B, T, D), the normalised layer input; m unused (DAMCHA's metrics); state: this

@@ -1,10 +1,10 @@
 """
 bench.py: what a DAMCHA training step costs next to MHA's, in time and in memory.
 
-    python bench.py --quick --device=cpu      # the main rows only
-    python bench.py --device=cpu              # also the T sweep and the DCMHA, THA baselines
-    python bench.py --device=cuda             # on a GPU, in bf16 autocast, with MFU
-    python bench.py --memory                  # peak memory of a train step, gen_out="full" vs "folded"
+    python lab/bench.py --quick --device=cpu      # the main rows only
+    python lab/bench.py --device=cpu              # also the T sweep and the DCMHA, THA baselines
+    python lab/bench.py --device=cuda             # on a GPU, in bf16 autocast, with MFU (lab/counts.py)
+    python lab/bench.py --memory                  # peak memory of a train step, gen_out="full" vs "folded"
 
 Settings are --key=value (configurator.py): quick, memory, device (cpu | cuda), dtype (auto |
 float32 | bfloat16; auto: bfloat16 autocast on CUDA, float32 on the CPU), repeats (timed steps per
@@ -65,7 +65,8 @@ if ROOT not in sys.path:   # run as a file (python lab/bench.py): the book's mod
 
 import damcha_numpy
 from configurator import configure, die
-from damcha_torch import GPT, GPTConfig, MetricQuery, compute_metric, count_params, equal_params_width
+from damcha_torch import GPT, GPTConfig, MetricQuery, compute_metric
+from lab.counts import count_params, equal_params_width, estimate_mfu
 
 DEFAULTS = dict(quick=False, memory=False, device="cpu", dtype="auto", repeats=0, batch_size=16, block_size=64,
                 n_layer=4, n_head=4, n_embd=128, vocab_size=65, gen_depth=2, gen_out="folded", sweep_batch=4)
@@ -146,7 +147,7 @@ def process_peak_mib():
 def train_step_peak_memory(fields, batch_size, device="cpu", dtype=torch.float32):
     """Build GPT(GPTConfig(**fields)) and run one train step (trainer's) in dtype. A step of a
     tiny model of the same kind runs first, so that the libraries' one-off allocations (on the
-    CPU some 170 MiB of MKL, oneDNN and autograd state) count as 'before'. Returns (peak before
+    CPU those of MKL, oneDNN and autograd) count as 'before'. Returns (peak before
     building the model, peak after the step) in MiB: the process's peak RSS on the CPU, the peak
     allocated memory on CUDA. The peak RSS only ever grows, so on the CPU call it in a fresh
     process (fresh_process_peak_memory)."""
@@ -201,7 +202,7 @@ def measure(group, reference, device, dtype, repeats):
                           dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
                           config={k: v for k, v in fields.items() if k != "vocab_size"})
         if device == "cuda":
-            rows[name]["mfu"] = round(trainers[name][0].estimate_mfu(batch_size, dt, dtype), 4)
+            rows[name]["mfu"] = round(estimate_mfu(trainers[name][0].config, batch_size, dt, dtype), 4)
     for name, row in rows.items():
         # the ratio of the steps of one round, taken close together in time, then the median
         # over the rounds: a burst of load that slows a whole round down cancels out

@@ -1,16 +1,16 @@
 """
 bench_triton_gpu.py: the one-shot GPU check of the Triton DAMCHA attention (damcha_triton.py):
-correctness, speed and memory against the torch path, one JSON line per measurement, in under 6
-minutes on one H200 with the default flags: each section stops starting rows at its time budget
-and says what it skipped (a row already started runs to its end), and no section starts a row
-past --budget_total seconds from the start, the train rows included.
+correctness, speed and memory against the torch path, one JSON line per measurement, in a time
+bounded by its budgets: each section stops starting rows at its time budget and says what it
+skipped (a row already started runs to its end), and no section starts a row past
+--budget_total seconds from the start, the train rows included.
 
-    python bench_triton_gpu.py              # one CUDA GPU
-    python bench_triton_gpu.py --smoke      # tiny shapes on the CPU through Triton's interpreter:
-                                            # checks that the script runs, measures nothing useful
-    python bench_triton_gpu.py --n_layer=4 --train_configs=config/enwik8.py,config/damcha.py
-    python bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --batch_size=32   # model rows alone
-    python bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --budget_model=200 \
+    python lab/bench_triton_gpu.py              # one CUDA GPU
+    python lab/bench_triton_gpu.py --smoke      # tiny shapes on the CPU through Triton's interpreter:
+                                                # checks that the script runs, measures nothing useful
+    python lab/bench_triton_gpu.py --n_layer=4 --train_configs=config/enwik8.py,config/damcha.py
+    python lab/bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --batch_size=32   # model rows alone
+    python lab/bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --budget_model=200 \
         --n_embd=512 --n_head=8 --block_size=512 --batch_size=32 --gen_out=folded   # the shipped GPU model
 
 Rows (kind=...), in order:
@@ -45,7 +45,7 @@ Rows (kind=...), in order:
           time on a CPU), to say where one path's step is slower than another's.
   train   `python train_char.py <train_configs> --max_iters=30` on the bundled Shakespeare
           (compile on, bf16), with --kernel=triton, then on the torch path if the budget allows
-          (a row took 83-85 s on the last run: with the default budgets only the first runs;
+          (a row needs TRAIN_ROW_S: with the default budgets only the first runs;
           --budget_check=0 --budget_op=0 --budget_model=0 --budget_train=200 runs both): exit
           status, wall time and the last loss line.
 A row whose measurement raised (an implementation in the op rows, a model step, the gradient
@@ -69,7 +69,8 @@ if ROOT not in sys.path:   # run as a file (python lab/bench_triton_gpu.py): the
     sys.path.insert(0, ROOT)
 
 from configurator import configure, die
-from damcha_torch import GPT, GPTConfig, count_params, equal_params_width
+from damcha_torch import GPT, GPTConfig
+from lab.counts import count_params, equal_params_width, flops_per_token
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 METRICS = {"per_token": False, "static": True}
@@ -81,9 +82,9 @@ DEFAULTS = dict(
     train_configs='config/enwik8.py,config/damcha.py',   # comma-separated config files for the train rows
     train_iters=30,
     budget_check=80, budget_op=60, budget_model=100, budget_train=40,   # seconds per section
-    budget_total=300,             # seconds for the whole check: no row starts later (one started may run ~40 s on)
+    budget_total=300,             # seconds for the whole check: no row starts later (one started runs to its end)
 )
-TRAIN_ROW_S = 100                 # what a train row needs at least: 83-85 s on the last H200 run
+TRAIN_ROW_S = 100                 # what a train row needs at least, with a margin over its times in results/gpu/
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # dense, per device name
 
 
@@ -325,8 +326,8 @@ def profile_step(step, top=8):
 
 def compile_on_device(fn, **kwargs):
     """torch.compile with Inductor on a GPU. On a CPU (--smoke) with backend="aot_eager": the same
-    graph capture and autograd trace, without Inductor's C++ code generation, which took over
-    half of the smoke run on a fresh machine (30 of 55 s) and is no part of the GPU path."""
+    graph capture and autograd trace, without Inductor's C++ code generation, which would be most
+    of the smoke run's time and is no part of the GPU path."""
     return torch.compile(fn, backend="inductor" if DEVICE == "cuda" else "aot_eager", **kwargs)
 
 
@@ -362,7 +363,7 @@ def step_row(variant, idx, compiled, peak_flops):
     first_s = time.time() - start
     ms = time_ms(step, rep=1000)                         # tens of steps: a step is 20-100 ms
     tokens = idx.numel()
-    flops = model.flops_per_token() * tokens / (ms / 1e3)
+    flops = flops_per_token(model.config) * tokens / (ms / 1e3)
     row = dict(ms_per_step=round(ms, 2), tokens_per_s=round(tokens / ms * 1e3),
                mfu=None if peak_flops is None else round(flops / peak_flops, 3),
                peak_mib=peak_mib(step), first_step_s=round(first_s, 1))

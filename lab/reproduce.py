@@ -2,32 +2,29 @@
 reproduce.py: the paper's character-level comparison, MHA against DCMHA, DAMCHA and
 DAMCHA's ablations at equal parameter count, several seeds each, scored on the full splits.
 
-    python reproduce.py                           # bundled Shakespeare, 5 variants x 3 seeds, on the CPU
-    python reproduce.py --seeds=5 --variants=mha,damcha --max_iters=4000
+    python lab/reproduce.py                       # bundled Shakespeare, 5 variants x 3 seeds, on the CPU
+    python lab/reproduce.py --seeds=5 --variants=mha,damcha --max_iters=4000
                                   # --max_iters=0 (the default): 10,000 on shakespeare, the config
                                   # files' on the other datasets, the regime's in the study
-    python reproduce.py --dataset=text8 --device=cuda      # enwik8, text8, mix: for a GPU
-    python reproduce.py --n_layer=2 --batch_size=8         # any other --key=value goes to train_char.py
+    python lab/reproduce.py --dataset=text8 --device=cuda      # enwik8, text8, mix: for a GPU
+    python lab/reproduce.py --n_layer=2 --batch_size=8         # any other --key=value goes to train_char.py
 
-Variants (every run is `python train_char.py ...` in a subprocess, then `eval_char.py` on its ckpt;
-the settings come from `train_char.py ... --mode=config`, so this script never imports the trainer):
+Variants (every run is `python lab/train.py ...`, the book's train_char.py with the lab's attentions
+registered, in a subprocess, then `lab/eval.py` (eval_char.py) on its ckpt; the settings come from
+`lab/train.py ... --mode=config`, so this script never imports the trainer):
     mha              attn=mha, the baseline whose parameter count the others match
     dcmha            attn=dcmha (Xiao et al. 2024); no width to trade, so its count is what it is
-    damcha           the shared folded generator, its width solved by damcha_torch.equal_params_width
+    damcha           the shared folded generator, its width solved by lab/counts.equal_params_width
     damcha_static    adaptive=False, a learned constant metric: no generator, so fewer parameters
     damcha_unshared  share=False, a generator per layer, its width solved likewise
-Counts are GPT.get_num_params() (damcha_torch.count_params); summary.md flags each variant that is not
+Counts are GPT.get_num_params() (lab/counts.count_params); summary.md flags each variant that is not
 within 5% of MHA's count rather than hiding it.
 
 Model and schedule: on shakespeare, train_char.py's defaults (4 layers, 4 heads, D = 128, T = 64,
 batch 12) for 10,000 iterations (7.7M characters, ~5 passes over the corpus), lr decayed to the end.
-Measured on 2 idle CPU cores, ms per iteration: mha 38, damcha_static 35, damcha 58,
-damcha_unshared 65, dcmha 80; so a run takes 6 (mha) to 13 (dcmha) minutes, DAMCHA's about 10,
-plus ~10 s of eval, and the default sweep (5 variants x 3 seeds) about 2.5 hours. Two processes
-side by side with one thread each and the variants split between them (OMP_NUM_THREADS=1 ...
---variants=mha,dcmha,damcha_static, and --variants=damcha,damcha_unshared) did it in 1 h 45 min.
-On enwik8, text8 and mix: config/<dataset>.py followed by config/mha.py (mha, dcmha) or
-config/damcha.py (the DAMCHA variants): 12 x 512, T = 512, 50k iterations.
+The sweep's runs are independent: split over processes with --variants (each process summarises
+every finished variant). On enwik8, text8 and mix: config/<dataset>.py followed by config/mha.py
+(mha, dcmha) or config/damcha.py (the DAMCHA variants): 12 x 512, T = 512, 50k iterations.
 
 Output, under --results (default results/charlevel/<dataset>/): <variant>-seed<k>.log.jsonl (the
 run's eval curve) and <variant>-seed<k>.eval.json (eval_char.py: bpc of the whole val
@@ -44,13 +41,13 @@ learning_rate and min_lr) are refused as flags.
 
 The 2x2 study (--study=2x2): what in DAMCHA helps or hurts, at MHA's parameter count.
 Variants (STUDY below): mha; damcha (own slice, adaptive, folded as train_char runs it); static
-(own slice, one identity-initialised metric per layer, MLP width solved); proj (MHA's projections
-with the shared adaptive metric, identity-initialised, DAMCHA's generator width, MLP width solved);
-damcha_full (gen_out=full, the paper's form and its Table 3 model, also evaluated with blocks=diag
-and offdiag).
-    python reproduce.py --study=2x2 --regime=lr      # LR sweep (--lr_grid, 1 seed), held-out slice of train
-    python reproduce.py --study=2x2 --regime=i       # one pass (1,860 iters), 5 seeds at the chosen rates
-    python reproduce.py --study=2x2 --regime=ii      # 6,000 iters (~3 passes) with dropout 0.1, 5 seeds
+(own slice, one identity-initialised metric per layer, MLP width solved); proj (attn=proj of
+lab/variants.py: MHA's projections with the shared adaptive metric, identity-initialised, DAMCHA's
+generator width, MLP width solved); damcha_full (gen_out=full, the paper's form and its Table 3
+model, also evaluated with blocks=diag and offdiag).
+    python lab/reproduce.py --study=2x2 --regime=lr      # LR sweep (--lr_grid, 1 seed), held-out slice of train
+    python lab/reproduce.py --study=2x2 --regime=i       # one pass (1,860 iters), 5 seeds at the chosen rates
+    python lab/reproduce.py --study=2x2 --regime=ii      # 6,000 iters (~3 passes) with dropout 0.1, 5 seeds
 Results under results/study2x2/<regime>/ (each eval JSON records the commit), checkpoints under
 out-study/2x2/<regime>/; finished runs are skipped, so each command resumes, and rerun on finished
 results it only rewrites summary.md / summary.json (paired differences to MHA with 95% t intervals
@@ -75,11 +72,12 @@ if ROOT not in sys.path:   # run as a file (python lab/reproduce.py): the book's
 
 from checkpoint import DIVERGED, pick_device, read_jsonl
 from configurator import configure, die
-from damcha_torch import GPTConfig, count_params, equal_params_width
+from damcha_torch import GPTConfig
+from lab.counts import count_params, equal_params_width
 from data.prepare import atomic_write, load_dataset
 
-TRAIN_CHAR = os.path.join(ROOT, 'train_char.py')
-EVAL_CHAR = os.path.join(ROOT, 'eval_char.py')
+TRAIN_CHAR = os.path.join(ROOT, 'lab', 'train.py')   # train_char.py with the lab's attentions registered
+EVAL_CHAR = os.path.join(ROOT, 'lab', 'eval.py')     # eval_char.py likewise
 VARIANTS = dict(mha=dict(attn='mha'), dcmha=dict(attn='dcmha'), damcha=dict(attn='damcha'),
                 damcha_static=dict(attn='damcha', adaptive=False),
                 damcha_unshared=dict(attn='damcha', share=False))
@@ -93,7 +91,7 @@ STUDY = dict(
     mha=dict(fields=dict(attn='mha'), trade=None),                   # projected, static (m absorbed in W_q)
     damcha=dict(fields=dict(attn='damcha'), trade='gen_width'),      # own slice, adaptive, folded
     static=dict(fields=dict(attn='damcha', adaptive=False, share=False, metric_init='identity'), trade='mlp_hidden'),
-    proj=dict(fields=dict(attn='damcha', qk='proj', metric_init='identity'), trade='mlp_hidden'),
+    proj=dict(fields=dict(attn='proj', metric_init='identity'), trade='mlp_hidden'),
     damcha_full=dict(fields=dict(attn='damcha', gen_out='full'), trade='gen_width'),   # Table 3, also eval diag/offdiag
 )
 # regimes: "lr" the learning-rate sweep (one seed per rate, scored on a held-out slice of the training
@@ -104,7 +102,7 @@ REGIMES = dict(lr=dict(max_iters=1860, eval_interval=100), i=dict(max_iters=1860
 # the run named by --snapshot also keeps its weights at these fractions of max_iters, in
 # <results>/snapshots/<run>/: notebooks/04 plots its learned metric over training from them
 SNAPSHOT_AT = (0, 0.025, 0.1, 0.3, 1)
-CPU_ITERS = 10000   # shakespeare's default: DAMCHA's run takes about 10 minutes on 2 CPU cores
+CPU_ITERS = 10000   # shakespeare's default: about 5 passes over the corpus
 # train_char settings this script decides, refused as flags: why
 REFUSED = dict(seed='it sets it for each run (--seeds)', out_dir='it sets it for each run (--out_root)',
                init_from='it sets it for each run', mode='it sets it for each run',
@@ -332,6 +330,19 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
     return result
 
 
+def as_recorded(settings):
+    """settings as the committed summaries record them: their runs were trained with a model
+    setting qk, "slice" in every model (the sweep's rows list every model setting) but proj, which
+    was attn='damcha' with qk='proj' (lab/train.py's attn='proj'). Summarising those runs again
+    then writes their summaries as committed."""
+    recorded = {}
+    for k, v in settings.items():
+        recorded |= dict(attn='damcha', qk='proj') if (k, v) == ('attn', 'proj') else {k: v}
+        if k == 'kernel':
+            recorded.setdefault('qk', 'slice')
+    return recorded
+
+
 def summary_rows(variants, runs, params, typed, opts, results):
     """Per variant: its parameter count against MHA's and the bpc of every finished seed."""
     rows = []
@@ -345,7 +356,7 @@ def summary_rows(variants, runs, params, typed, opts, results):
         files = config_files(opts['dataset'], VARIANTS[name])
         row = dict(variant=name, params=params[name], rel_params_vs_mha=rel, within_5pct=abs(rel) <= 0.05,
                    gen_width=runs[name].get('gen_width'), runs=len(evals),
-                   config_file=' '.join(files) or None, settings=typed[name])
+                   config_file=' '.join(files) or None, settings=as_recorded(typed[name]))
         for split in ('val', 'test'):
             values = [e[f'{split}_bpc'] for e in evals if f'{split}_bpc' in e]
             row[f'{split}_bpc_mean'], row[f'{split}_bpc_std'] = mean_std(values)
@@ -460,7 +471,7 @@ def study_plan(opts, passthrough, variants, dataset, vocab_size):
         trade, fields = STUDY[name]['trade'], base | STUDY[name]['fields']
         settings = common | STUDY[name]['fields']
         if trade == 'mlp_hidden' and fields['adaptive']:   # projected: own-slice DAMCHA's generator
-            fields['gen_width'] = settings['gen_width'] = equal_params_width(target, fields | dict(qk='slice'))
+            fields['gen_width'] = settings['gen_width'] = equal_params_width(target, fields | dict(attn='damcha'))
         if trade:
             fields[trade] = settings[trade] = equal_params_width(target, fields, trade)
         runs[name], params[name] = settings, count_params(fields)
@@ -540,7 +551,7 @@ def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
                    val_bpc_mean=mean_std(val)[0], val_bpc_std=mean_std(val)[1],
                    diff_equal_steps=interval(steps), diff_equal_time=interval(clock),
                    gap_mean=mean_std(gaps)[0], minutes=mean_std([logs[f'{name}-seed{s}'][-1]['time'] / 60 for s in done])[0],
-                   settings={k: v for k, v in runs[name].items() if k not in ('dataset', 'device')})
+                   settings=as_recorded({k: v for k, v in runs[name].items() if k not in ('dataset', 'device')}))
         for b in ('diag', 'offdiag'):
             values = [evals[f'{name}-seed{s}'][f'val_bpc_{b}'] for s in done if f'val_bpc_{b}' in evals[f'{name}-seed{s}']]
             if values:

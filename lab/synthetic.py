@@ -3,11 +3,11 @@ synthetic.py: the paper's synthetic tasks (arXiv 2610.13261, Appendix I, Figures
 against MHA at equal parameter count, on tasks built so that predicting the target needs
 attention across four feature subspaces, one per head.
 
-    python synthetic.py                  # the whole sweep, 2 worker processes (10 min on 2 cores)
-    python synthetic.py --quick          # a smoke run: 1 seed, a few steps, results to /tmp
-    python synthetic.py --workers=1 --steps=200 --out=/tmp/syn
-    python synthetic.py --steps=6000 --lambdas=0,0.6,1 --dims= --out=results/synthetic/long
-                                         # the longer-training check of the regression (~6 min)
+    python lab/synthetic.py              # the whole sweep, 2 worker processes
+    python lab/synthetic.py --quick      # a smoke run: 1 seed, a few steps, results to /tmp
+    python lab/synthetic.py --workers=1 --steps=200 --out=/tmp/syn
+    python lab/synthetic.py --steps=6000 --lambdas=0,0.6,1 --dims= --out=results/synthetic/long
+                                         # the longer-training check of the regression
 
 Settings are --key=value (configurator.py): quick, out, workers, steps, batch, lr, n_layer, seeds,
 lambdas and dims (comma lists; empty skips the task).
@@ -43,7 +43,7 @@ layer), so in the first layer head h owns subspace h; no position embedding (the
 a query, the last token). The model is causal, so the prediction is read at the last position,
 which attends to every token: ln_f, then a linear head (1 output, or K logits). DAMCHA shares one
 metric generator over the stack (share=True, as GPT does) with gen_out="folded" (f outputs m, the
-same function class as "full": RowSum is linear), P = 2; its width w is damcha_torch.equal_params_width's,
+same function class as "full": RowSum is linear), P = 2; its width w is lab/counts.equal_params_width's,
 so that DAMCHA and MHA have equal parameter counts (within 5%; checked, and recorded per row).
 
 Training: AdamW (damcha_torch.configure_optimizers: lr 3e-3, weight decay 0.01 on the matrices,
@@ -75,8 +75,8 @@ if ROOT not in sys.path:   # run as a file (python lab/synthetic.py): the book's
     sys.path.insert(0, ROOT)
 
 from configurator import configure, die
-from damcha_torch import (Block, GPTConfig, add_metric, configure_optimizers, count_params, equal_params_width,
-                          get_lr, init_weights, shares_metric, stack_forward)
+from damcha_torch import Block, GPTConfig, add_metric, configure_optimizers, get_lr, init_weights, shares_metric, stack_forward
+from lab.counts import count_params, equal_params_width
 
 H = 4                                    # subspaces = heads
 T = 8                                    # tokens per sample
@@ -148,7 +148,7 @@ def classification_data(d_e, seed=0, lam=CLS_LAMBDA, n_train=N_TRAIN, n_test=N_T
 
 def model_config(attn, D, n_layer=DEFAULTS["n_layer"]):
     """GPTConfig of the blocks; DAMCHA's generator width is solved for equal parameter count with
-    MHA (damcha_torch.equal_params_width on the GPT of the same blocks: that GPT and SetModel differ by
+    MHA (lab/counts.equal_params_width on the GPT of the same blocks: that GPT and SetModel differ by
     the same parameters, embeddings against head, for both attentions)."""
     fields = dict(vocab_size=1, block_size=T, n_layer=n_layer, n_head=H, n_embd=D)
     if attn == "mha":
@@ -353,7 +353,7 @@ def main(argv):
     meta = dict(settings, seeds=cfg["seeds"], T=T, H=H, beta=BETA, K=K, reg_dim=REG_DIM, cls_lambda=CLS_LAMBDA,
                 n_train=N_TRAIN, n_test=N_TEST, lambdas=list(lambdas), dims=list(dims), workers=cfg["workers"],
                 wall_seconds=round(time.time() - t0, 1), torch=torch.__version__,
-                command="python synthetic.py " + " ".join(argv))
+                command="python lab/synthetic.py " + " ".join(argv))
     write_results(rows, meta, out_dir)
     print(f"wall time {time.time() - t0:.0f} s -> {out_dir}")
 

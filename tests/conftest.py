@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-# One thread per process, set before torch is imported and inherited by every subprocess: -n 2
-# already runs a process per core, and the OpenMP threads of several processes on two cores wait
-# for each other (the README gives the suite's time with and without).
+# One thread per process, set before torch is imported and inherited by every subprocess: -n N
+# already runs a process per core, and the OpenMP threads of several processes that share the cores
+# wait for each other.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 HERE = os.path.dirname(os.path.abspath(__file__))

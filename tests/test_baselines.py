@@ -1,8 +1,9 @@
 """
-tests/test_baselines.py: checks the attention baselines of baselines.py, DCMHA and Talking-Heads,
-built by damcha_torch.GPT for GPTConfig(attn="dcmha") and GPTConfig(attn="tha").
+tests/test_baselines.py: checks the attention baselines of lab/baselines.py, DCMHA and Talking-Heads,
+built by damcha_torch.GPT for GPTConfig(attn="dcmha") and GPTConfig(attn="tha") once lab/variants.py
+has registered them.
 
-Run: python -m pytest -q tests/test_baselines.py      (a few seconds on two CPU cores)
+Run: python -m pytest -q tests/test_baselines.py
 
 Both are MHA with the heads mixed before and after the softmax. With the mixing at the identity
 (THA's pre_mix and post_mix zero; DCMHA's dyn_proj and gates zero) a model's logits equal, in
@@ -14,14 +15,20 @@ incrementally as they compute in full, and send a gradient to every parameter fr
 Errors are relative to the largest entry: max |a - b| / max |b|.
 """
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from common import rel_err
-from lab.baselines import DCMHA_RANK, ComposedAttention, compose
+import lab.variants  # noqa: F401  (registers "tha" and "dcmha")
 from damcha_torch import GPT, GPTConfig
+from lab.baselines import DCMHA_RANK, ComposedAttention, compose
+from lab.counts import flops_per_token
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=3, n_embd=12)
 BASELINES = ["dcmha", "tha"]
 
@@ -77,16 +84,51 @@ def test_shapes_and_parameter_count(attn, bias):
 def test_config_accepts_the_baselines_and_rejects_others():
     for attn in ("damcha", "mha", "dcmha", "tha"):
         GPTConfig(attn=attn)
-    with pytest.raises(ValueError, match="attn must be 'damcha', 'mha', 'dcmha' or 'tha', not 'linear'"):
+    with pytest.raises(ValueError, match="attn must be one of 'damcha', 'mha', .*'tha', .*, not 'linear'"):
         GPTConfig(attn="linear")
 
 
 def test_flops_count_the_head_mixing():
     T, H, D, L, R = TINY["block_size"], TINY["n_head"], TINY["n_embd"], TINY["n_layer"], DCMHA_RANK
-    flops = {attn: GPT(GPTConfig(**TINY, attn=attn)).flops_per_token() for attn in ("mha", "dcmha", "tha")}
+    flops = {attn: flops_per_token(GPTConfig(**TINY, attn=attn)) for attn in ("mha", "dcmha", "tha")}
     # the per-(t, s) terms over the T / 2 keys of a causal query on average
     assert flops["tha"] - flops["mha"] == 6 * L * 2 * (T // 2) * H * H
     assert flops["dcmha"] - flops["mha"] == 6 * L * (20 * H * D + 32 * R * H * H + 2 * (4 * R + 2) * H * (T // 2))
+
+
+def test_the_book_knows_only_its_own_attentions():
+    """damcha_torch alone (a fresh process, without lab/variants.py) refuses the lab's attentions in one line."""
+    code = "from damcha_torch import GPTConfig\nGPTConfig(attn='dcmha')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert "ValueError: attn must be one of 'damcha', 'mha', not 'dcmha'" in done.stderr
+
+
+@pytest.mark.parametrize("attn", BASELINES)
+def test_compiles_as_one_graph(attn):
+    """torch.compile traces forward and backward without a graph break (backend="eager": the trace is what is checked)."""
+    torch._dynamo.reset()
+    model = GPT(GPTConfig(**dict(TINY, n_layer=3), attn=attn))
+    idx = tokens(model.config, (2, 8), 19)
+    logits, loss = torch.compile(model, backend="eager", fullgraph=True)(idx, idx)
+    loss.backward()
+    assert torch.equal(logits, model(idx)[0])
+
+
+@pytest.mark.parametrize("attn", BASELINES)
+def test_attention_dropout_is_its_own_setting(attn):
+    """With every nn.Dropout module (embedding, residual, MLP) switched off, a model in training
+    mode computes its eval-mode function when attn_dropout is 0, and another one when it is not."""
+    idx = tokens(GPTConfig(**TINY), (2, 8), 18)
+    outputs = {}
+    for attn_dropout in (0.0, 0.5):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**TINY, attn=attn, dropout=0.5, attn_dropout=attn_dropout)).train()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.eval()
+        outputs[attn_dropout] = model(idx)[0], model.eval()(idx)[0]
+    assert torch.equal(*outputs[0.0])
+    assert not torch.allclose(*outputs[0.5])
 
 
 @pytest.mark.parametrize("attn", BASELINES)

@@ -1,8 +1,9 @@
 """
-tests/test_bench.py: runs bench.py's parts on tiny models, for their results' form, not their speed.
+tests/test_bench.py: runs bench.py's parts on tiny models, for their results' form, not their speed,
+and checks the lab's counts (lab/counts.py): parameter-matched widths, training FLOPs and MFU.
 
-Run: python -m pytest -q tests/test_bench.py      (about 30 seconds on two CPU cores: the peak
-memory of each model is measured in a fresh Python process)
+Run: python -m pytest -q tests/test_bench.py      (the peak memory of each model is measured in a
+fresh Python process)
 """
 import json
 import subprocess
@@ -12,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab import bench
-import damcha_torch
+from damcha_torch import GPT, GPTConfig
+from lab import bench, counts
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=16)
@@ -22,9 +23,9 @@ TINY = dict(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=16)
 @pytest.mark.parametrize("gen_out, gen_depth", [("folded", 2), ("full", 2), ("folded", 3)])
 def test_equal_params_width_matches_mha_within_5_percent(gen_out, gen_depth):
     fields = dict(TINY, n_embd=32, n_layer=4, gen_out=gen_out, gen_depth=gen_depth)
-    target = damcha_torch.count_params(dict(fields, attn="mha"))
-    w = damcha_torch.equal_params_width(target, fields)
-    error = lambda w: abs(damcha_torch.count_params(dict(fields, gen_width=w)) - target)
+    target = counts.count_params(dict(fields, attn="mha"))
+    w = counts.equal_params_width(target, fields)
+    error = lambda w: abs(counts.count_params(dict(fields, gen_width=w)) - target)
     assert error(w) / target < 0.05
     assert all(error(w) <= error(v) for v in (w - 1, w + 1) if v >= 1)     # the nearest width
 
@@ -34,15 +35,74 @@ def test_both_generator_outputs_are_at_mhas_parameter_count(gen_out):
     """bench's damcha and damcha_<the other gen_out> rows: each its own width, MHA's count within 5%."""
     group, _ = bench.groups(dict(bench.DEFAULTS, quick=True, gen_out=gen_out))
     other = "full" if gen_out == "folded" else "folded"
-    mha = damcha_torch.count_params(group["mha"])
+    mha = counts.count_params(group["mha"])
     for name in ("damcha", f"damcha_{other}"):
-        assert abs(damcha_torch.count_params(group[name]) / mha - 1) < 0.05, name
+        assert abs(counts.count_params(group[name]) / mha - 1) < 0.05, name
     assert group["damcha"]["gen_width"] != group[f"damcha_{other}"]["gen_width"]
 
 
 def test_equal_params_width_needs_a_width_to_trade():
     with pytest.raises(ValueError, match="no generator width"):
-        damcha_torch.equal_params_width(10**9, dict(TINY, gen_depth=1))
+        counts.equal_params_width(10**9, dict(TINY, gen_depth=1))
+
+
+def test_count_params_is_get_num_params():
+    for fields in (dict(TINY, attn="mha"), dict(TINY), dict(TINY, share=False, gen_out="folded"),
+                   dict(TINY, attn="proj", mlp_hidden=7), dict(TINY, attn="dcmha"), dict(TINY, attn="tha")):
+        assert counts.count_params(fields) == GPT(GPTConfig(**fields)).get_num_params(), fields
+
+
+# ----------------------------------------------------------------------------------------------
+# Training FLOPs and MFU (lab/counts.py); TINY_FLOPS has three layers
+
+TINY_FLOPS = dict(vocab_size=11, block_size=8, n_layer=3, n_head=2, n_embd=8, gen_width=6)
+
+
+def test_flops_count_generator_and_metric():
+    flops = lambda **variant: counts.flops_per_token(GPTConfig(**TINY_FLOPS, **variant))
+    D, w, L, dh = TINY_FLOPS["n_embd"], TINY_FLOPS["gen_width"], TINY_FLOPS["n_layer"], 4
+    generator = 6 * (D * w + w * D * dh)                             # per token, folded last layer
+    assert flops(share=True) - flops(adaptive=False) == generator
+    assert flops(share=False) - flops(adaptive=False) == L * generator
+    assert flops(gen_out="folded") == flops(share=True)
+    shared = GPTConfig(**TINY_FLOPS, share=True)
+    mfu = counts.estimate_mfu(shared, fwdbwd_per_iter=4, dt=1e-3)
+    assert mfu == pytest.approx(counts.flops_per_token(shared) * 8 * 4 / 1e-3 / 989e12)
+
+
+def test_flops_count_causal_attention():
+    # 6 per multiply-add: c_attn, c_proj and the MLP (12 D^2), q k^T and A v over the T / 2 keys
+    # a causal query meets on average (2 D T / 2), the tied lm_head (D V)
+    D, L, T, V = TINY_FLOPS["n_embd"], TINY_FLOPS["n_layer"], TINY_FLOPS["block_size"], TINY_FLOPS["vocab_size"]
+    assert counts.flops_per_token(GPTConfig(**TINY_FLOPS, attn="mha")) == 6 * (L * (12 * D * D + 2 * D * T // 2) + D * V)
+    # DAMCHA with a static metric: c_v, c_proj and the MLP (10 D^2), the queries q = x m (D dh), the same attention
+    static = counts.flops_per_token(GPTConfig(**TINY_FLOPS, adaptive=False))
+    assert static == 6 * (L * (10 * D * D + D * (D // TINY_FLOPS["n_head"]) + 2 * D * T // 2) + D * V)
+
+
+def test_mfu_peak_by_dtype():
+    config = GPTConfig(**TINY_FLOPS)
+    flops = counts.flops_per_token(config) * TINY_FLOPS["block_size"] * 4 / 1e-3
+    assert counts.estimate_mfu(config, 4, 1e-3, "float16") == pytest.approx(flops / 989e12)
+    assert counts.estimate_mfu(config, 4, 1e-3, torch.bfloat16) == pytest.approx(flops / 989e12)
+    assert counts.estimate_mfu(config, 4, 1e-3, "float32") == pytest.approx(flops / 66.9e12)
+    assert counts.estimate_mfu(config, 4, 1e-3, peak=1e12) == pytest.approx(flops / 1e12)
+
+
+def test_mfu_of_float32_follows_tf32():
+    """torch.float32 counts at the TF32 peak exactly when float32 matmuls may use TF32
+    (damcha_triton.tf32_matmuls). In a fresh process: the setting is process-wide, and importing
+    damcha_triton here would fix its interpreter mode before tests/test_triton.py chooses it."""
+    pytest.importorskip("triton")
+    code = ("import torch\nfrom lab import counts\nfrom damcha_torch import GPTConfig\n"
+            f"config = GPTConfig(**{TINY_FLOPS!r})\n"
+            "flops = counts.flops_per_token(config) * config.block_size * 4 / 1e-3\n"
+            "for precision in ('highest', 'high'):\n"
+            "    torch.set_float32_matmul_precision(precision)\n"
+            "    print(round(flops / counts.estimate_mfu(config, 4, 1e-3, torch.float32) / 1e12, 1))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["66.9", "494.5"]                  # IEEE float32, then TF32 allowed
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +119,7 @@ def test_measure_rows_are_json_with_the_required_keys(rows):
         assert {"name", "params", "tokens_per_sec", "peak_mb", "throughput_vs_mha", "peak_vs_mha"} <= parsed.keys()
         assert parsed["tokens_per_sec"] > 0 and parsed["peak_mb"] >= 0 and parsed["rss_peak_mb"] > 0
     assert rows[0]["throughput_vs_mha"] == 1.0
-    assert rows[0]["params"] == damcha_torch.count_params(dict(TINY, attn="mha"))
+    assert rows[0]["params"] == counts.count_params(dict(TINY, attn="mha"))
 
 
 def test_measure_computes_its_ratios_from_the_times(monkeypatch):

@@ -25,7 +25,7 @@ import torch
 import damcha_numpy
 import eval_char as ec
 import train_char as tc
-from data.prepare import atomic_write
+from checkpoint import atomic_write, read_jsonl
 from common import digest, sigint_default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +70,7 @@ def fails(*argv, main=tc.main):
 
 
 def iters(path):
-    return [e['iter'] for e in tc.read_jsonl(path)]
+    return [e['iter'] for e in read_jsonl(path)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,10 +92,10 @@ def test_sigkill_then_resume_gives_the_uninterrupted_history(tmp_path, data_dir)
     result = cli(f'--out_dir={out}', '--init_from=resume')
     assert result.returncode == 0, result.stderr[-2000:]
     assert iters(out / 'train_log.jsonl') == list(range(40))
-    assert tc.read_jsonl(out / 'train_log.jsonl') == tc.read_jsonl(tmp_path / 'whole' / 'train_log.jsonl')
+    assert read_jsonl(out / 'train_log.jsonl') == read_jsonl(tmp_path / 'whole' / 'train_log.jsonl')
     assert iters(out / 'log.jsonl') == [0, 20, 40]
-    assert [e['val_loss'] for e in tc.read_jsonl(out / 'log.jsonl')] == \
-           [e['val_loss'] for e in tc.read_jsonl(tmp_path / 'whole' / 'log.jsonl')]
+    assert [e['val_loss'] for e in read_jsonl(out / 'log.jsonl')] == \
+           [e['val_loss'] for e in read_jsonl(tmp_path / 'whole' / 'log.jsonl')]
 
 
 KILLED_INSIDE_THE_SECOND_SAVE = """
@@ -136,7 +136,7 @@ def test_sigkill_inside_a_save_leaves_the_last_checkpoint_and_a_resume_the_whole
     assert result.returncode == 0, result.stderr[-2000:]
     assert not glob.glob(str(out / '*.tmp'))
     for name in ('log.jsonl', 'train_log.jsonl'):
-        again, whole = tc.read_jsonl(out / name), tc.read_jsonl(tmp_path / 'whole' / name)
+        again, whole = read_jsonl(out / name), read_jsonl(tmp_path / 'whole' / name)
         assert [e['iter'] for e in again] == [e['iter'] for e in whole]
         assert [e.get('loss', e.get('val_loss')) for e in again] == [e.get('loss', e.get('val_loss')) for e in whole]
 

@@ -341,6 +341,26 @@ def test_only_a_diverged_run_is_recorded_as_diverged(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_lab_trains_proj_through_the_books_trainer(tmp_path, monkeypatch):
+    """The study's proj runs as attn=proj through lab/train.py and lab/eval.py, the book's trainer and
+    evaluator with the lab's attentions registered; the book's own trainer refuses it in one line."""
+    monkeypatch.delenv('TRITON_INTERPRET', raising=False)   # the training subprocesses run the torch path
+    tiny = dict(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=4, max_iters=2, eval_interval=2, eval_iters=1,
+                device='cpu', data_dir=str(tmp_path / 'data'), gen_width=8, max_new_tokens=2, attn='proj',
+                metric_init='identity', mlp_hidden=40)
+    book = subprocess.run([sys.executable, 'train_char.py', *reproduce.flags(tiny), '--mode=config'], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert book.returncode != 0 and "'proj'" in book.stderr and book.stderr.strip().count('\n') == 0, book.stderr
+    (tmp_path / 'results').mkdir()
+    result = reproduce.train_and_evaluate('proj-seed1', str(tmp_path / 'out'), (), tiny, 2,
+                                          dict(snapshot='', device='cpu'), str(tmp_path / 'results'), 'proj')
+    assert result['iter'] == 2 and math.isfinite(result['val_bpc'])
+    ckpt = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
+    assert (ckpt['model_args']['attn'], ckpt['model_args']['mlp_hidden']) == ('proj', 40)
+    assert 'h.0.attn.c_attn.weight' in ckpt['model'] and 'gen.1.bias' in ckpt['model']
+
+
+@pytest.mark.slow
 def test_the_snapshot_run_resumes_with_the_snapshots_still_ahead(tmp_path):
     """An interrupted snapshot run (damcha-seed1 by default) resumes: its snapshots from before the
     checkpoint were written by the first run, and the resume asks only for those of this

@@ -30,6 +30,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import checkpoint
+import damcha_torch
 import data.prepare as prep
 import eval_char as ec
 import train_char as tc
@@ -157,7 +158,14 @@ def test_help_prints_the_docstring_and_every_default(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(tc.__doc__.strip())
-    assert out.split('--key=value):\n')[1].splitlines() == [f'  {k}={v!r}' for k, v in tc.DEFAULTS.items()]
+    lines = out.split('--key=value):\n')[1].splitlines()
+    assert [line.split()[0] for line in lines] == [f'{k}={v!r}' for k, v in tc.DEFAULTS.items()]
+    for line, (k, v) in zip(lines, tc.DEFAULTS.items()):   # each with a description, the comment beside its default
+        assert line.startswith(f'  {k}={v!r}  ') and len(line.removeprefix(f'  {k}={v!r}').split()) >= 2, line
+    described = dict(line.split(maxsplit=1) for line in lines)
+    assert described["lr_decay_iters=2000"] == "iteration where the decay reaches min_lr; unless set, max_iters"
+    assert described["snapshot_iters=''"].endswith('in out_dir/snapshot-<iter>.pt (notebooks/04 reads them)')   # two lines
+    assert described["n_head=4"].startswith('H, heads')   # from GPTConfig's fields, in damcha_torch.py
 
 
 def test_eval_help_prints_its_docstring_and_every_default(capsys):
@@ -169,7 +177,10 @@ def test_eval_help_prints_its_docstring_and_every_default(capsys):
         assert e.value.code == 0
         out = capsys.readouterr().out
         assert out.startswith(ec.__doc__.strip())
-        assert out.split('--key=value):\n')[1].splitlines() == [f'  {k}={v!r}' for k, v in ec.DEFAULTS.items()]
+        lines = out.split('--key=value):\n')[1].splitlines()
+        assert [line.split()[0] for line in lines] == [f'{k}={v!r}' for k, v in ec.DEFAULTS.items()]
+        for line, (k, v) in zip(lines, ec.DEFAULTS.items()):   # each with a description
+            assert line.startswith(f'  {k}={v!r}  ') and len(line.removeprefix(f'  {k}={v!r}').split()) >= 2, line
 
 
 def test_bad_settings_are_one_line_errors(tmp_path):
@@ -232,6 +243,53 @@ def test_config_mode_prints_the_composed_settings():
     assert (cfg['dataset'], cfg['attn'], cfg['n_layer'], cfg['max_iters']) == ('text8', 'mha', 2, 50000)
     assert cfg['out_dir'] == 'out-text8-mha'   # out-text8-{attn}
     assert 'braces must hold' in fails('--out_dir=out-{nope}', '--mode=config')
+
+
+def test_the_schedule_follows_max_iters_unless_set(tmp_path):
+    """lr_decay_iters and warmup_iters left unset follow max_iters (a run of 200 iterations decays
+    over 200 and warms up over 20, not the defaults' 2000 and 100); set, in a flag or a config
+    file, they are kept. The defaults themselves are a run of 2000 iterations."""
+    cfg, _ = tc.parse_config([])
+    assert (cfg['max_iters'], cfg['lr_decay_iters'], cfg['warmup_iters']) == (2000, 2000, 100)
+    cfg, given = tc.parse_config(['--max_iters=200'])
+    assert (cfg['lr_decay_iters'], cfg['warmup_iters']) == (200, 20) and given == {'max_iters'}
+    assert tc.parse_config(['--max_iters=5000'])[0]['warmup_iters'] == 100
+    cfg, _ = tc.parse_config(['--max_iters=200', '--lr_decay_iters=150', '--warmup_iters=0'])
+    assert (cfg['lr_decay_iters'], cfg['warmup_iters']) == (150, 0)
+    cfg, _ = tc.parse_config([os.path.join(ROOT, 'config', 'mha.py'), '--max_iters=100'])
+    assert (cfg['lr_decay_iters'], cfg['warmup_iters']) == (50000, 1000)   # the config file's
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`python train_char.py --mode=config | head` and the like: a reader that goes away is not an
+    error. No message, the status of a process ended by SIGPIPE (128 + 13). Here the reader is gone
+    before the first write."""
+    for script, args in [('train_char.py', ['--mode=config']), ('train_char.py', ['--help']),
+                         ('eval_char.py', ['--help'])]:
+        env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+        proc = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        proc.stdout.close()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 141 and err == '', (script, args, proc.returncode, err)
+
+
+def test_a_run_says_where_it_resumes_and_where_its_data_are(tmp_path, capsys):
+    """A run prints where its dataset was prepared (a text file: <data_dir>/<its stem>/); a resumed
+    run prints the checkpoint and iteration it starts from, and says in one line when its
+    checkpoint's lr_decay_iters is no longer max_iters."""
+    text = tmp_path / 'notes.txt'
+    text.write_bytes(b'hello world, ' * 300)
+    out = tmp_path / 'out'
+    run(*TINY, f'--dataset={text}', f'--data_dir={tmp_path / "data"}', f'--out_dir={out}', '--max_iters=4',
+        '--eval_interval=2')
+    printed, err = capsys.readouterr()
+    assert f"data: {text} prepared in {tmp_path / 'data' / 'notes'}\n" in printed and 'resuming' not in printed
+    assert 'lr_decay_iters' not in err   # it followed max_iters
+    run(f'--out_dir={out}', '--init_from=resume', '--max_iters=6')
+    printed, err = capsys.readouterr()
+    assert printed.startswith(f"resuming from {out / 'ckpt.pt'} at iter 4\n")
+    assert "note: lr_decay_iters=4 is not max_iters=6" in err   # the checkpoint's schedule, kept
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,13 +415,18 @@ def test_enwik8_text8_and_mix_from_archives(corpora, monkeypatch, capsys):
 
     components, vocab = prep.load_dataset('mix', str(data))
     assert vocab == list(range(256)) and [c['name'] for c in components] == ['enwik8', 'text8']
-    which, offsets = prep.draw_rows(components, 'train', 4000, 16, torch.Generator().manual_seed(0))
+    assert [c['dir'] for c in components] == [str(data / 'enwik8'), str(data / 'text8')]
+    x, y = tc.get_batch(components, 'train', 4000, 16, torch.Generator().manual_seed(0), 'cpu')
+    # the rows as get_batch draws them: a corpus each, then a start in its train split (3600 tokens)
+    generator = torch.Generator().manual_seed(0)
+    which = torch.randint(2, (4000,), generator=generator)
+    offsets = (torch.rand(4000, generator=generator, dtype=torch.float64) * (3600 - 16)).long()
     assert abs(which.float().mean().item() - 0.5) < 0.03   # each row from either with probability 1/2
-    x, y = prep.get_batch(components, 'train', which[:64], offsets[:64], 16, 'cpu')
     raw = {n: np.frombuffer(contents[n], dtype=np.uint8) for n in contents}
-    for row, (c, o) in enumerate(zip(which[:64].tolist(), offsets[:64].tolist())):
+    for row, (c, o) in enumerate(zip(which.tolist(), offsets.tolist())):
         expected = raw[components[c]['name']][o:o + 17]   # text8 rows come as bytes, like enwik8's
         assert x[row].tolist() == expected[:-1].tolist() and y[row].tolist() == expected[1:].tolist()
+    assert x.is_contiguous() and y.is_contiguous() and x.dtype == y.dtype == torch.int64
 
     prep.main(['enwik8', 'mix', f'--data_dir={data}'])   # each dataset once
     assert [line.split(':')[0] for line in capsys.readouterr().out.splitlines()] == ['enwik8', 'text8']
@@ -492,7 +555,7 @@ def test_command_line_train_resume_sample(tmp_path, data_dir, capsys):
     common = [*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--learning_rate=1e-2']
     result = cli(*common, '--max_iters=60', '--eval_interval=30')
     assert result.returncode == 0, result.stderr
-    val = [e['val_loss'] for e in tc.read_jsonl(out / 'log.jsonl')]
+    val = [e['val_loss'] for e in checkpoint.read_jsonl(out / 'log.jsonl')]
     assert len(val) == 3 and val[0] > val[1] > val[2], val
     assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 60
     assert 'sample:' in result.stdout and ' tokens/s' in result.stdout
@@ -500,11 +563,12 @@ def test_command_line_train_resume_sample(tmp_path, data_dir, capsys):
 
     result = cli(*common, '--init_from=resume', '--max_iters=90', '--num_samples=2')
     assert result.returncode == 0, result.stderr
+    assert f"resuming from {out / 'ckpt.pt'} at iter 60" in result.stdout
     assert result.stdout.count('sample:\n') == 2, result.stdout[-500:]   # --num_samples
-    assert [e['iter'] for e in tc.read_jsonl(out / 'log.jsonl')] == [0, 30, 60, 90]
-    rates = [e['lr'] for e in tc.read_jsonl(out / 'train_log.jsonl')]
+    assert [e['iter'] for e in checkpoint.read_jsonl(out / 'log.jsonl')] == [0, 30, 60, 90]
+    rates = [e['lr'] for e in checkpoint.read_jsonl(out / 'train_log.jsonl')]
     assert len(rates) == 90 and rates[0] < rates[10] > rates[89]   # warm-up, then decay
-    assert [e['lr'] for e in tc.read_jsonl(out / 'log.jsonl')][:3] == [rates[0], rates[30], rates[60]]
+    assert [e['lr'] for e in checkpoint.read_jsonl(out / 'log.jsonl')][:3] == [rates[0], rates[30], rates[60]]
 
     tc.main(['--init_from=resume', f'--out_dir={out}', '--mode=config', '--max_iters=120'])   # the run a resume would be
     shown = json.loads(capsys.readouterr().out)
@@ -533,10 +597,10 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_dir):
         with open(tmp_path / 'b' / log, 'a') as f:
             f.write(json.dumps(dict(iter=5, loss=0.0, val_loss=0.0)) + '\n')
     run(f'--out_dir={tmp_path / "b"}', '--init_from=resume', '--max_iters=8')
-    a, b = (tc.read_jsonl(tmp_path / d / 'train_log.jsonl') for d in 'ab')
+    a, b = (checkpoint.read_jsonl(tmp_path / d / 'train_log.jsonl') for d in 'ab')
     assert [e['iter'] for e in b] == list(range(8))
     assert a == b                                    # every loss and learning rate, bit for bit
-    a, b = (tc.read_jsonl(tmp_path / d / 'log.jsonl') for d in 'ab')
+    a, b = (checkpoint.read_jsonl(tmp_path / d / 'log.jsonl') for d in 'ab')
     assert [(e['val_loss'], e['tokens']) for e in a] == [(e['val_loss'], e['tokens']) for e in b]
     assert all(x['time'] <= y['time'] for x, y in zip(b, b[1:]))   # the clock carries on from the checkpoint
 
@@ -570,10 +634,10 @@ def test_each_step_follows_the_schedule_clips_and_keeps_the_best(tmp_path, data_
         if it < 2:
             return 1e-3 * (it + 1) / 3
         return 1e-4 + 0.5 * (1 + math.cos(math.pi * min(it - 2, 8) / 8)) * 9e-4
-    logged = [e['lr'] for e in tc.read_jsonl(out / 'train_log.jsonl')]
+    logged = [e['lr'] for e in checkpoint.read_jsonl(out / 'train_log.jsonl')]
     assert logged == pytest.approx([lr(it) for it in range(12)], rel=1e-12)
     assert [group_lrs.pop() for group_lrs in schedule if len(group_lrs) == 1] == logged   # one lr for all groups
-    assert [e['lr'] for e in tc.read_jsonl(tmp_path / 'flat' / 'train_log.jsonl')] == [1e-3] * 3
+    assert [e['lr'] for e in checkpoint.read_jsonl(tmp_path / 'flat' / 'train_log.jsonl')] == [1e-3] * 3
     assert stepped == [{1e-3}] * 3
     assert norms == [0.5] * 12 + [1.0] * 3   # the flat run clips at the default grad_clip
     ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
@@ -605,7 +669,7 @@ def test_micro_batches_change_neither_the_training_nor_the_estimates(tmp_path, d
     run(*common, f'--out_dir={tmp_path / "one"}')
     run(*common, '--batch_size=2', '--gradient_accumulation_steps=2', f'--out_dir={tmp_path / "two"}')
     for log in ('train_log.jsonl', 'log.jsonl'):
-        one, two = (tc.read_jsonl(tmp_path / d / log) for d in ('one', 'two'))
+        one, two = (checkpoint.read_jsonl(tmp_path / d / log) for d in ('one', 'two'))
         for key in ('loss', 'train_loss', 'val_loss'):
             if key in one[0]:
                 np.testing.assert_allclose([e[key] for e in two], [e[key] for e in one], rtol=1e-5)
@@ -632,7 +696,7 @@ def test_ddp_on_two_cpu_processes_matches_one_process(tmp_path, data_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count('sample:') == 1      # only rank 0 logs and samples
     run(*common, f'--out_dir={tmp_path / "one"}')
-    ddp, one = (tc.read_jsonl(tmp_path / d / 'train_log.jsonl') for d in ('ddp', 'one'))
+    ddp, one = (checkpoint.read_jsonl(tmp_path / d / 'train_log.jsonl') for d in ('ddp', 'one'))
     assert [e['iter'] for e in ddp] == [0, 1, 2, 3]
     np.testing.assert_allclose([e['loss'] for e in ddp], [e['loss'] for e in one], rtol=1e-4)
     ckpt = torch.load(tmp_path / 'ddp' / 'ckpt.pt', weights_only=True)
@@ -685,7 +749,7 @@ def test_snapshots_asked_for_at_a_resume_lie_ahead_of_it(trained, tmp_path):
 
 def test_non_finite_loss_stops_and_keeps_the_checkpoint(trained, monkeypatch, tmp_path, capsys):
     """One line, the exit status that tells reproduce.py the run diverged, the checkpoint untouched."""
-    class Diverging(tc.GPT):
+    class Diverging(damcha_torch.GPT):
         def forward(self, idx, targets=None, **kwargs):
             logits, loss = super().forward(idx, targets, **kwargs)
             return logits, loss * float('nan') if self.training else loss
@@ -698,7 +762,7 @@ def test_non_finite_loss_stops_and_keeps_the_checkpoint(trained, monkeypatch, tm
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert message.startswith('error: the training loss became nan at iter 20') and 'iter 20) is the last good checkpoint' in message
     assert digest(trained / 'ckpt.pt') == before
-    monkeypatch.setattr(checkpoint, 'GPT', tc.GPT)   # training is fine, the evaluation is not
+    monkeypatch.setattr(checkpoint, 'GPT', damcha_torch.GPT)   # training is fine, the evaluation is not
     monkeypatch.setattr(tc, 'estimate_loss', lambda *a: dict(train_loss=1.0, val_loss=float('inf'), val_bpc=0.0))
     shutil.copytree(trained, tmp_path / 'copy')        # it trains on: the shared run's logs stay as they are
     with pytest.raises(SystemExit) as e:
@@ -751,8 +815,8 @@ def test_split_loss_is_the_mean_over_every_target(monkeypatch):
 
 def test_rows_cover_every_window_and_an_empty_prompt_is_a_newline():
     data = np.arange(18, dtype=np.uint8)                    # block_size 16: two windows of 17 tokens
-    which, offsets = prep.draw_rows([dict(splits=dict(train=data))], 'train', 2000, 16, torch.Generator().manual_seed(0))
-    assert set(which.tolist()) == {0} and set(offsets.tolist()) == {0, 1}
+    x, y = tc.get_batch([dict(splits=dict(train=data), lut=None)], 'train', 2000, 16, torch.Generator().manual_seed(0), 'cpu')
+    assert set(x[:, 0].tolist()) == {0, 1} and (y == x + 1).all()
     assert prep.encode('', [10, 32, 97], 8) == [0]          # a newline where there is one,
     assert prep.encode('', [32, 97], 8) == [0]              # else a space (text8)
 
@@ -772,7 +836,7 @@ def test_mix_training_and_eval_report_both_corpora(corpora, capsys, monkeypatch)
     data, _ = corpora
     out = data / 'out'
     run(*TINY, '--dataset=mix', f'--data_dir={data}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=2')
-    entry = tc.read_jsonl(out / 'log.jsonl')[-1]
+    entry = checkpoint.read_jsonl(out / 'log.jsonl')[-1]
     assert entry['val_loss'] == pytest.approx((entry['val_loss_enwik8'] + entry['val_loss_text8']) / 2)
     assert {'val_bpc_enwik8', 'val_bpc_text8', 'train_loss_enwik8', 'train_loss_text8'} <= set(entry)
     assert f"val bpc {entry['val_bpc']:.4f}, enwik8 {entry['val_bpc_enwik8']:.4f}, text8 " in capsys.readouterr().out
@@ -823,6 +887,34 @@ def test_sample_from_a_file_prompt(trained, tmp_path, capsys):
     assert capsys.readouterr().out == first   # the seed fixes the sample
 
 
+def test_samples_are_printed_as_they_are_generated(trained, monkeypatch, capsys):
+    """eval_char.py --mode=sample prints and flushes each sample before it generates the next, so
+    a long run of samples shows them one by one rather than all at the end."""
+    seen, flushes = [], []   # at each generate: what was printed, and how often stdout was flushed
+
+    class Recording(damcha_torch.GPT):
+        def generate(self, *args, **kwargs):
+            seen.append((capsys.readouterr().out, len(flushes)))
+            return super().generate(*args, **kwargs)
+
+    class Stdout:
+        def write(self, text):
+            return real.write(text)
+
+        def flush(self):
+            flushes.append(1)
+            real.flush()
+    real = sys.stdout
+    monkeypatch.setattr(sys, 'stdout', Stdout())
+    monkeypatch.setattr(checkpoint, 'GPT', Recording)
+    run_eval('--mode=sample', f'--out_dir={trained}', '--start=ROMEO:', '--num_samples=3', '--max_new_tokens=5')
+    seen.append((capsys.readouterr().out, len(flushes)))
+    assert seen[0] == ('', 0)
+    for k, (printed, flushed) in enumerate(seen[1:]):   # after each sample: that sample, printed and flushed
+        assert printed.startswith('ROMEO:') and printed.endswith('\n---------------\n') and len(printed) == 6 + 5 + 17
+        assert flushed >= k + 1
+
+
 def test_auto_precision_is_float32_off_cuda():
     for device in ('cpu', 'mps'):
         dtype, ctx = checkpoint.autocast_for(device, 'auto')
@@ -837,7 +929,7 @@ def test_plot_of_several_runs(trained, tmp_path):
     with open(png, 'rb') as f:
         assert f.read(8) == b'\x89PNG\r\n\x1a\n'
     import matplotlib.pyplot as plt
-    log = tc.read_jsonl(trained / 'log.jsonl')
+    log = checkpoint.read_jsonl(trained / 'log.jsonl')
     by_tokens, by_time = plt.gcf().axes   # val bpc against tokens, and against minutes: a line per run
     for ax, x in ((by_tokens, [e['tokens'] for e in log]), (by_time, [e['time'] / 60 for e in log])):
         assert len(ax.lines) == 2
@@ -959,7 +1051,7 @@ def test_gpu_configs_state_their_equal_parameter_counts(corpus):
         cfg, _ = tc.parse_config([os.path.join(ROOT, 'config', f'{corpus}.py'), path])
         assert (cfg['dataset'], cfg['attn'], cfg['out_dir']) == (corpus, attn, f'out-{corpus}-{attn}')
         with torch.device('meta'):   # shapes only: no memory, no time
-            model = tc.GPT(tc.GPTConfig(**{k: cfg[k] for k in tc.MODEL_KEYS} | {'vocab_size': len(
+            model = damcha_torch.GPT(damcha_torch.GPTConfig(**{k: cfg[k] for k in tc.MODEL_KEYS} | {'vocab_size': len(
                 prep.SOURCES['text8']['vocab']) if corpus == 'text8' else 256}))
         counts[attn] = sum(p.numel() for p in model.parameters())
         with open(path) as f:

@@ -1,13 +1,14 @@
 """
-tests/test_variants.py: the 2x2 study's model variants in damcha_torch (issue 15).
+tests/test_variants.py: the 2x2 study's model variants (issue 15): the book's GPTConfig fields
+metric_init and mlp_hidden, and the lab's attention "proj" (lab/variants.py).
 
-    python -m pytest -q tests/test_variants.py      (a few seconds)
+    python -m pytest -q tests/test_variants.py
 
-  qk="proj"               q_i = (u W_q)_i m_i, k_i = (u W_k)_i, v from MHA's c_attn
+  attn="proj"             q_i = (u W_q)_i m_i, k_i = (u W_k)_i, v from MHA's c_attn
   metric_init="identity"  every m_i starts at I (static metric, or the generator's last bias)
   mlp_hidden              the MLP's hidden width (0: 4D), a width that trades for parameters
 In float64: the GPT equals a loop implementation of each formula (the projected attention is
-written out below; the rest comes from tests/spec_reference.py), qk="proj" with m = I equals
+written out below; the rest comes from tests/spec_reference.py), attn="proj" with m = I equals
 MHA exactly, the own-slice static identity metric equals MHA with W_q = W_k = I; causality;
 parameter matching within 2% at train_char's default model; defaults unchanged.
 """
@@ -17,11 +18,13 @@ import pytest
 import torch
 
 from common import rel_err
-from damcha_torch import GPT, GPTConfig, compute_metric, count_params, equal_params_width
+import lab.variants  # noqa: F401  (registers attn="proj")
+from damcha_torch import GPT, GPTConfig, compute_metric
+from lab.counts import count_params, equal_params_width, flops_per_token
 from spec_reference import _causal_heads, _gelu, _layernorm, _linear, _metrics, reference_forward
 
 TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, gen_width=6)
-PROJ = [dict(qk="proj", share=share, adaptive=adaptive, gen_out=gen_out)
+PROJ = [dict(attn="proj", share=share, adaptive=adaptive, gen_out=gen_out)
         for share in (True, False) for adaptive in (True, False) for gen_out in ("folded", "full")]
 PROJ_IDS = ["-".join(f"{k}={v}" for k, v in p.items()) for p in PROJ]
 
@@ -46,7 +49,7 @@ def tokens(config, shape, seed):
 
 
 def proj_attention(params, config, l, u, m):
-    """qk="proj", written out: S_i[t, s] = (u W_q)_i[t] m_i[t] (u W_k)_i[s]^T / sqrt(dh), s <= t."""
+    """attn="proj", written out: S_i[t, s] = (u W_q)_i[t] m_i[t] (u W_k)_i[s]^T / sqrt(dh), s <= t."""
     B, T, D = u.shape
     H = config.n_head
     dh = D // H
@@ -110,7 +113,7 @@ def mha_twin(model, config):
 @pytest.mark.parametrize("share", [True, False])
 @pytest.mark.parametrize("gen_out", ["folded", "full"])
 def test_proj_with_identity_metric_is_mha(share, gen_out):
-    config = GPTConfig(**TINY, qk="proj", share=share, gen_out=gen_out, metric_init="identity")
+    config = GPTConfig(**TINY, attn="proj", share=share, gen_out=gen_out, metric_init="identity")
     model = random_model(config, 3)
     with torch.no_grad():   # m = I at every position: the last layer outputs its identity bias only
         for name, p in model.named_parameters():
@@ -161,7 +164,7 @@ def test_identity_init_gives_identity_metrics(variant):
     assert torch.equal(m, expected.expand_as(m))
 
 
-@pytest.mark.parametrize("variant", [dict(qk="proj"), dict(qk="proj", share=False, metric_init="identity"),
+@pytest.mark.parametrize("variant", [dict(attn="proj"), dict(attn="proj", share=False, metric_init="identity"),
                                      dict(adaptive=False, share=False, metric_init="identity", mlp_hidden=7)])
 def test_causal(variant):
     config = GPTConfig(**TINY, **variant)
@@ -174,21 +177,21 @@ def test_causal(variant):
 
 
 def test_defaults_unchanged():
-    """mlp_hidden=0 is 4D, the same weights drawn in the same order; qk and metric_init default to the paper's model."""
+    """mlp_hidden=0 is 4D, the same weights drawn in the same order; attn and metric_init default to the paper's model."""
     for fields in (dict(TINY), dict(TINY, attn="mha")):
         torch.manual_seed(0)
         a = GPT(GPTConfig(**fields)).state_dict()
         torch.manual_seed(0)
         b = GPT(GPTConfig(**fields, mlp_hidden=4 * TINY["n_embd"])).state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert GPTConfig().qk == "slice" and GPTConfig().metric_init == "normal"
+    assert GPTConfig().attn == "damcha" and GPTConfig().metric_init == "normal"
 
 
 def test_flops_follow_the_variant():
-    base = GPT(GPTConfig(**TINY)).flops_per_token()
+    base = flops_per_token(GPTConfig(**TINY))
     D, L = TINY["n_embd"], TINY["n_layer"]
-    assert GPT(GPTConfig(**TINY, qk="proj")).flops_per_token() - base == 6 * L * 2 * D * D
-    assert GPT(GPTConfig(**TINY, mlp_hidden=3 * D)).flops_per_token() - base == -6 * L * 2 * D * D
+    assert flops_per_token(GPTConfig(**TINY, attn="proj")) - base == 6 * L * 2 * D * D
+    assert flops_per_token(GPTConfig(**TINY, mlp_hidden=3 * D)) - base == -6 * L * 2 * D * D
 
 
 def test_parameter_matching_within_2_percent():
@@ -198,15 +201,15 @@ def test_parameter_matching_within_2_percent():
     mha = count_params(dict(base, attn="mha"))
     w = equal_params_width(mha, base)
     models = [dict(base, gen_width=w), dict(base, gen_out="full", gen_width=equal_params_width(mha, dict(base, gen_out="full")))]
-    for fields in (dict(base, adaptive=False, share=False), dict(base, qk="proj", gen_width=w)):
+    for fields in (dict(base, adaptive=False, share=False), dict(base, attn="proj", gen_width=w)):
         models.append(dict(fields, mlp_hidden=equal_params_width(mha, fields, "mlp_hidden")))
     for fields in models:
         assert abs(count_params(fields) / mha - 1) < 0.02, fields
     assert models[2]["mlp_hidden"] > 4 * 128 > models[3]["mlp_hidden"]   # static gains, proj gives width
 
 
-@pytest.mark.parametrize("bad", [dict(qk="both"), dict(metric_init="eye"), dict(mlp_hidden=-1),
-                                 dict(qk="proj", kernel="triton"), dict(metric_init="identity", bias=False)])
+@pytest.mark.parametrize("bad", [dict(attn="both"), dict(metric_init="eye"), dict(mlp_hidden=-1),
+                                 dict(attn="proj", kernel="triton"), dict(metric_init="identity", bias=False)])
 def test_config_rejects(bad):
     with pytest.raises(ValueError):
         GPTConfig(**bad)

@@ -1,0 +1,19 @@
+"""
+train.py: the book's trainer, train_char.py, with the lab's attentions registered (lab/variants.py):
+every train_char.py setting, and attn may also be "tha", "dcmha" or "proj".
+
+    python lab/train.py --attn=proj --metric_init=identity --mlp_hidden=385 --out_dir=out-proj
+    torchrun --standalone --nproc_per_node=4 lab/train.py config/enwik8.py config/mha.py --attn=dcmha
+"""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
+if ROOT not in sys.path:   # run as a file (python lab/train.py): the book's modules are in the root
+    sys.path.insert(0, ROOT)
+
+import lab.variants  # noqa: F401  (registers the lab's attentions)
+import train_char
+
+if __name__ == '__main__':
+    train_char.main(sys.argv[1:])
