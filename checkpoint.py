@@ -30,7 +30,7 @@ from configurator import die, problem
 from damcha_torch import GPT, GPTConfig
 
 HELD = []   # this process's lock on its training run's out_dir (lock_out_dir), while the run lasts
-DIVERGED = 3   # train_char.py's exit status when a non-finite loss stopped the run (stopped)
+DIVERGED = 3   # train_char.py's exit status when a non-finite loss stopped the run (lab/reproduce.py reads it)
 
 
 @contextmanager
@@ -160,11 +160,12 @@ def load_checkpoint(out_dir):
     return ckpt
 
 
-def resume(cfg, given, ranges):
-    """A resumed run's (settings, model fields, checkpoint): out_dir/ckpt.pt's settings overridden
-    by those given (from_checkpoint), refused now if the weights no longer fit them."""
+def resume(cfg, given, ranges, keep=('mode', 'init_from', 'out_dir')):
+    """(settings, model fields, checkpoint) of a run resumed, or evaluated, from out_dir/ckpt.pt:
+    its settings overridden by those given (from_checkpoint), refused now if its weights no longer
+    fit them."""
     ckpt = load_checkpoint(cfg['out_dir'])
-    cfg, model_args = from_checkpoint(ckpt, cfg, given, ranges)
+    cfg, model_args = from_checkpoint(ckpt, cfg, given, ranges, keep)
     check_fit(model_args, ckpt)
     return cfg, model_args, ckpt
 
@@ -377,32 +378,29 @@ def autocast_for(device, dtype):
 
 
 def build_model(model_args, ckpt=None):
+    """GPT(model_args), with the checkpoint's weights (which resume checked to fit)."""
     model = GPT(model_config(model_args))
-    if ckpt is not None:   # load_state_dict checks the names and shapes itself
+    if ckpt is not None:
         try:
             model.load_state_dict(ckpt['model'])
-        except (RuntimeError, KeyError, TypeError) as e:
-            unfit(model_args, ckpt, str(e)[:300])
+        except (RuntimeError, KeyError, TypeError) as e:   # not the names or shapes (check_fit): damage inside
+            die(f"the checkpoint's weights do not load into the model ({str(e)[:300]})")
     return model
 
 
 def check_fit(model_args, ckpt):
     """Whether the checkpoint's weights fit GPT(model_args): the same names and shapes, compared on
-    the meta device (no memory, next to no time), so that a resume whose settings no longer fit the weights
+    the meta device (no memory, next to no time), so that a resume whose settings no longer fit
     is refused before the data are loaded or the run's settings printed."""
     with torch.device('meta'):
         want = {k: tuple(v.shape) for k, v in GPT(model_config(model_args)).state_dict().items()}
     have = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in ckpt['model'].items()}
     differ = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
-    if differ:
-        unfit(model_args, ckpt, f"{len(differ)} of its tensors, e.g. {differ[0]}: saved {have.get(differ[0])}, "
-                                f"the model's {want.get(differ[0])}")
-
-
-def unfit(model_args, ckpt, detail):
     saved = ckpt['model_args']
     changed = [f"{k}={v!r} (the checkpoint's: {saved.get(k)!r})" for k, v in model_args.items() if saved.get(k) != v]
-    if changed:   # settings given now, in a config file or a flag, override the saved ones
+    if differ and changed:   # settings given now, in a config file or a flag, override the saved ones
         die(f"the checkpoint's weights do not fit the model with {', '.join(changed)}: settings given "
             "in config files and flags override the checkpoint's; give the run's own, or none")
-    die(f"the checkpoint's weights do not fit the model ({detail})")
+    if differ:
+        die(f"the checkpoint's weights do not fit the model ({len(differ)} of its tensors, e.g. {differ[0]}: "
+            f"saved {have.get(differ[0])}, the model's {want.get(differ[0])})")

@@ -38,7 +38,7 @@ class GPTConfig:
     n_layer: int = 2         # L, transformer blocks
     n_head: int = 4          # H, heads: each owns a slice of dh = D / H coordinates
     n_embd: int = 64         # D, the width of the residual stream
-    attn: str = "damcha"     # a name in ATTENTION: "damcha" | "mha" (the baseline)
+    attn: str = "damcha"     # "damcha" | "mha" (the baseline): a name in ATTENTION
     adaptive: bool = True    # False: M (or m, when folded) is a learned constant, the ablation "without f(x)"
     share: bool = True       # one generator for the whole stack (Section 3.4)
     blocks: str = "all"      # which blocks RowSum adds: "all" | "diag" (M_ii) | "offdiag" (j != i)
@@ -173,11 +173,10 @@ def extend_cache(state, k, v):
 
 class MetricQuery(torch.autograd.Function):
     """Eq. 5 for per-token metrics: q_t = x_t m_t, x (B, T, H, dh) and m (B, T, H, dh, dh) of one
-    dtype -> (B, T, H, dh). The backward is the one autograd derives for the batched matmul, but
-    writes dm_t = x_t^T dq_t, an outer product per position and head, as a broadcast multiply.
-    With a shared m (share=True) every layer adds such a dm, as large as m, to m's gradient.
-    Elementwise, torch.compile can fuse the L products into their sum and store none of them;
-    as matmul outputs they may all stay alive until the sum."""
+    dtype -> (B, T, H, dh). The backward is autograd's for the batched matmul, but writes
+    dm_t = x_t^T dq_t as a broadcast multiply. With share=True every layer adds such a dm, as large
+    as m, to m's gradient: elementwise, torch.compile can fuse the L products into their sum and
+    store none of them; as matmul outputs they may all stay alive until the sum."""
 
     @staticmethod
     def forward(ctx, x, m):
@@ -225,7 +224,7 @@ class CausalSelfAttention(Attention):
 
     def forward(self, u, m=None, state=None):
         """u (B, T, D), the normalised layer input; m unused (DAMCHA's metrics); state: this
-        layer's decoding cache, or None. Returns y (B, T, D)."""
+        layer's decoding cache or None. -> (B, T, D)."""
         B, T, D = u.size()
         H = self.config.n_head
         q, k, v = (a.view(B, T, H, D // H).transpose(1, 2) for a in self.c_attn(u).split(D, dim=2))
@@ -256,22 +255,19 @@ class DamchaAttention(Attention):
         return x, x, self.c_v(u).view_as(x)
 
     def forward(self, u, m=None, state=None):
-        """u (B, T, D), the normalised layer input. m: the stack's shared metrics, or None when
-        this layer owns its generator or static metric. state: this layer's decoding cache, or
-        None. Returns y (B, T, D)."""
+        """u (B, T, D), the normalised layer input; m: the stack's shared metrics, or None when this
+        layer owns its generator or static metric; state: its decoding cache or None. -> (B, T, D)."""
         if m is None:
             m = compute_metric(self, u, self.config, state)          # Eqs. 3-4: (B, T, H, dh, dh), static (H, dh, dh)
         x, k, v = self.heads(u)                                      # (B, T, H, dh) each
-        # The kernel serves per-token metrics: it forms q = x m on chip and never stores the
-        # scores. A static m makes q one small matmul, after which SDPA's flash attention is the
-        # faster path; decoding (state) keeps the torch path too.
+        # The kernel takes the x_i as the keys too, forms q = x m on chip from per-token metrics and
+        # never stores the scores. A static m makes q one small matmul: SDPA's flash attention is faster then.
         if self.config.kernel == "triton" and state is None and m.dim() == 5:
             from damcha_triton import damcha_attention               # imports triton only when asked
             return self.project(damcha_attention(x.transpose(1, 2), m, v.transpose(1, 2)))   # Eqs. 5-8
-        # Eq. 5: q_i = x_i m_i, per head and position for m (B, T, H, dh, dh), through MetricQuery,
-        # x taking m's dtype as autocast's matmul would cast it. A static m (H, dh, dh) is one
-        # matmul per head, so its gradient sums x^T dq over the positions inside the matmul
-        # rather than forming it per position, (B, T, H, dh, dh).
+        # Eq. 5: q_i = x_i m_i, for m (B, T, H, dh, dh) through MetricQuery, x cast to m's dtype as
+        # autocast's matmul would. A static m (H, dh, dh) is one matmul per head, so its gradient sums
+        # x^T dq over the positions inside the matmul, never per position (B, T, H, dh, dh).
         q = (MetricQuery.apply(x.to(m.dtype), m) if m.dim() == 5
              else torch.einsum("bthd,hde->bthe", x, m))
         return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), state)
@@ -361,7 +357,7 @@ def shares_metric(config):
 def stack_forward(owner, x, cache=None):
     """owner.h, the stack of Blocks, on x (B, T, D) -> (B, T, D). A shared generator (owner.gen)
     runs once here, on layer 0's attention input u; that LayerNorm is recomputed inside the
-    block, which is cheap next to the generator. GPT and the lab's synthetic.py both use it."""
+    block, which is cheap next to the generator. GPT uses it, as can any stack of these Blocks."""
     config, m = owner.config, None
     if shares_metric(config):
         m = compute_metric(owner, owner.h[0].ln_1(x), config, None if cache is None else cache["shared"])
@@ -426,11 +422,10 @@ class GPT(nn.Module):
         return configure_optimizers(self, weight_decay, learning_rate, betas, device_type)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):
-        """Model FLOPs utilisation of fwdbwd_per_iter sequences in dt seconds, against PEAK_FLOPS.
-        nanoGPT's estimate (PaLM, appendix B): 6 FLOPs per parameter and token (2 forward, 4
-        backward) and 12 L T D for the attention scores and values over the full T x T. It counts
-        each parameter once per token, so gen_out="full", whose last generator layer runs folded
-        (H times fewer multiply-adds than its parameters), reads high."""
+        """Model FLOPs utilisation of fwdbwd_per_iter sequences in dt seconds, against PEAK_FLOPS:
+        nanoGPT's estimate (PaLM, appendix B), 6 FLOPs per parameter and token (2 forward, 4
+        backward) plus 12 L T D for the scores and values. It counts each parameter once a token,
+        so gen_out="full", whose last generator layer runs folded (H times fewer), reads high."""
         cfg = self.config
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
         flops_per_token = 6 * self.get_num_params() + 12 * L * H * Q * T

@@ -29,8 +29,7 @@ import sys
 import torch
 
 import damcha_torch
-from checkpoint import (autocast_for, build_model, check_kernel, check_run_settings, from_checkpoint, load_checkpoint,
-                        pick_device, read_jsonl, why)
+from checkpoint import autocast_for, build_model, check_kernel, check_run_settings, pick_device, read_jsonl, resume, why
 from configurator import configure, die, pipe_closed
 from damcha_torch import GPTConfig
 from data.prepare import check_lengths, decode, encode, load_dataset, split_loss
@@ -69,8 +68,7 @@ LN2 = math.log(2)
 
 
 def load_for_inference(cfg, given):
-    ckpt = load_checkpoint(cfg['out_dir'])
-    cfg, model_args = from_checkpoint(ckpt, cfg, given, RANGES, keep=('mode', 'out_dir', 'compile', *SAMPLING))
+    cfg, model_args, ckpt = resume(cfg, given, RANGES, keep=('mode', 'out_dir', 'compile', *SAMPLING))
     device = pick_device(cfg['device'], 0)
     dtype, ctx = autocast_for(device, cfg['dtype'])
     check_kernel(model_args['kernel'], device, dtype)

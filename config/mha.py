@@ -20,7 +20,6 @@ attn_dropout = 0.0            # attention probabilities: off, so that --kernel=t
 
 batch_size = 32
 max_iters = 50000
-lr_decay_iters = 50000
 warmup_iters = 1000
 learning_rate = 1e-3
 min_lr = 1e-4

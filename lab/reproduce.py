@@ -330,19 +330,6 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
     return result
 
 
-def as_recorded(settings):
-    """settings as the committed summaries record them: their runs were trained with a model
-    setting qk, "slice" in every model (the sweep's rows list every model setting) but proj, which
-    was attn='damcha' with qk='proj' (lab/train.py's attn='proj'). Summarising those runs again
-    then writes their summaries as committed."""
-    recorded = {}
-    for k, v in settings.items():
-        recorded |= dict(attn='damcha', qk='proj') if (k, v) == ('attn', 'proj') else {k: v}
-        if k == 'kernel':
-            recorded.setdefault('qk', 'slice')
-    return recorded
-
-
 def summary_rows(variants, runs, params, typed, opts, results):
     """Per variant: its parameter count against MHA's and the bpc of every finished seed."""
     rows = []
@@ -356,7 +343,7 @@ def summary_rows(variants, runs, params, typed, opts, results):
         files = config_files(opts['dataset'], VARIANTS[name])
         row = dict(variant=name, params=params[name], rel_params_vs_mha=rel, within_5pct=abs(rel) <= 0.05,
                    gen_width=runs[name].get('gen_width'), runs=len(evals),
-                   config_file=' '.join(files) or None, settings=as_recorded(typed[name]))
+                   config_file=' '.join(files) or None, settings=typed[name])
         for split in ('val', 'test'):
             values = [e[f'{split}_bpc'] for e in evals if f'{split}_bpc' in e]
             row[f'{split}_bpc_mean'], row[f'{split}_bpc_std'] = mean_std(values)
@@ -551,7 +538,7 @@ def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
                    val_bpc_mean=mean_std(val)[0], val_bpc_std=mean_std(val)[1],
                    diff_equal_steps=interval(steps), diff_equal_time=interval(clock),
                    gap_mean=mean_std(gaps)[0], minutes=mean_std([logs[f'{name}-seed{s}'][-1]['time'] / 60 for s in done])[0],
-                   settings=as_recorded({k: v for k, v in runs[name].items() if k not in ('dataset', 'device')}))
+                   settings={k: v for k, v in runs[name].items() if k not in ('dataset', 'device')})
         for b in ('diag', 'offdiag'):
             values = [evals[f'{name}-seed{s}'][f'val_bpc_{b}'] for s in done if f'val_bpc_{b}' in evals[f'{name}-seed{s}']]
             if values:

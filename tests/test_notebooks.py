@@ -46,10 +46,12 @@ class Bounded:
     why: str
 
 
-# What a rerun prints is compared with the committed outputs number by number (same_print), except:
-# a timing (a number followed by s or ms) may be anything; a number below ROUNDING is the residual of
-# an identity (1e-16 and the like), rounding noise, and any two such agree; and these, per notebook,
-# are held to their bound, in the committed outputs and in the rerun alike. Everything else is exact.
+# How a rerun's print is held to the committed one (disagreements, same_print): the words exactly;
+# each number to its committed digits (to 1%, or to one unit of its last digit, which another CPU's
+# rounding may move); a timing (a number followed by s or ms) not at all; two numbers below ROUNDING,
+# residuals of an identity (1e-16 and the like), always agree; and the quantities listed here, per
+# notebook, only to their bound, in the committed outputs and the rerun alike: their digits are
+# noise that depends on the CPU and the BLAS.
 MACHINE_DEPENDENT = {
     "02_backward_walkthrough.ipynb": [
         Bounded(rf"(?:max \|analytic - numeric\||values \+ query \+ key +max \|total - numeric\|) = (?P<value>{NUM})", 1e-7,

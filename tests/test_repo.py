@@ -7,6 +7,12 @@
   or folder tracked by git, and a link to a heading (file.md#anchor) at a heading that exists.
 - Every function docs/model.md's equation index names is in the file of its column.
 - Every test that README.md or docs/*.md names in backticks is a test function of tests/.
+- The book (every Python file outside lab/ and tests/, and the notebooks) never imports the lab,
+  found from the syntax tree, function-level imports included; only a notebook that presents a
+  lab experiment may (NOTEBOOKS_THAT_SHOW_THE_LAB says which, and why). No import circles among
+  the book's and the lab's modules. No function of the book over 60 lines. README.md at most 280
+  lines.
+- No comment or docstring of a .py file holds a date, a machine's record or a past run's figure.
 
     python -m pytest -q tests/test_repo.py
 
@@ -18,6 +24,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tokenize
 from urllib.parse import unquote
 
@@ -279,11 +286,11 @@ def python_source(path, text):
     return "\n".join(re.sub(r"^\s*[%!].*$", "", cell, flags=re.MULTILINE) for cell in cells)
 
 
-def imported_names(source, module=""):
+def imported_names(source, module="", is_package=False):
     """[(line, dotted name)] of every import in the source, at any depth (inside functions too), as
     the names the import may load: `import a.b` -> a, a.b; `from a import b` -> a, a.b (b may be a
-    module); a relative import is resolved against `module`, the file's own dotted name; and
-    importlib.import_module / __import__ of a constant string."""
+    module); a relative import is resolved against `module`, the file's own dotted name (a package's
+    for an __init__.py); and importlib.import_module / __import__ of a constant string."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -291,7 +298,7 @@ def imported_names(source, module=""):
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                package = module.split(".")[:len(module.split(".")) - node.level + (module in PACKAGES)]
+                package = module.split(".")[:len(module.split(".")) - node.level + is_package]
                 base = ".".join(package + ([base] if base else []))
             names = [base] + [f"{base}.{alias.name}" if base else alias.name for alias in node.names]
         elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
@@ -306,21 +313,18 @@ def imported_names(source, module=""):
     return sorted(set(found))
 
 
-PACKAGES = set()   # the dotted names of the repository's packages (an __init__.py), which relative imports resolve in
-
-
 def repository_modules(paths):
     """{dotted name: path} of the repository's Python modules, the book's and the lab's (not tests/)."""
-    modules = {module_name(p): p for p in paths if p.endswith(".py") and not p.startswith("tests/")}
-    PACKAGES.update(module_name(p) for p in paths if p.endswith("/__init__.py"))
-    return modules
+    return {module_name(p): p for p in paths if p.endswith(".py") and not p.startswith("tests/")}
 
 
 def lab_imports(path, text, lab_names):
     """[(line, name)] of the imports in a book file that load the lab: the package `lab`, a module in
-    it, or a lab module under its bare name (reachable with lab/ put on sys.path)."""
-    return [(line, name) for line, name in imported_names(python_source(path, text), module_name(path))
-            if name == "lab" or name.startswith("lab.") or name in lab_names]
+    it, or a lab module under its bare name (reachable with lab/ put on sys.path; not a standard
+    library module's name)."""
+    found = imported_names(python_source(path, text), module_name(path), path.endswith("__init__.py"))
+    return [(line, name) for line, name in found if name == "lab" or name.startswith("lab.")
+            or (name in lab_names and name not in sys.stdlib_module_names)]
 
 
 def import_cycles(sources):
@@ -329,7 +333,7 @@ def import_cycles(sources):
     modules = repository_modules(sources)
     edges = {m: {} for m in modules}                       # module -> {imported module: first line}
     for m, path in modules.items():
-        for line, name in imported_names(sources[path], m):
+        for line, name in imported_names(sources[path], m, path.endswith("__init__.py")):
             if name in modules and name != m:
                 edges[m].setdefault(name, line)
     index, low, stack, on_stack, components = {}, {}, [], set(), []
@@ -344,9 +348,11 @@ def import_cycles(sources):
             elif n in on_stack:
                 low[m] = min(low[m], index[n])
         if low[m] == index[m]:
-            component = set()
-            while not component or component_top != m:
-                component_top = stack.pop(); on_stack.discard(component_top); component.add(component_top)
+            component, n = set(), None
+            while n != m:
+                n = stack.pop()
+                on_stack.discard(n)
+                component.add(n)
             components.append(component)
     for m in sorted(modules):
         if m not in index:
@@ -363,8 +369,8 @@ def long_functions(source, limit=BOOK_FUNCTION_LINES):
 
 
 def test_import_checks_find_every_form():
-    lab = {"bench", "reproduce"}
-    book = ("import os\nimport laboratory\nfrom data import lab_notes\nimport lab\nfrom lab import bench\n"
+    lab = {"bench", "reproduce", "io"}
+    book = ("import io\nimport laboratory\nfrom data import lab_notes\nimport lab\nfrom lab import bench\n"
             "from lab.reproduce import main\ndef f():\n    import lab.synthetic\n    import bench\n"
             "importlib.import_module('lab.counts')\n")
     assert lab_imports("book.py", book, lab) == [(4, "lab"), (5, "lab"), (5, "lab.bench"), (6, "lab"), (6, "lab.reproduce"),
@@ -374,8 +380,8 @@ def test_import_checks_find_every_form():
                                      {"cell_type": "markdown", "source": "import lab"}]})
     assert lab_imports("n.ipynb", notebook, lab) == [(2, "lab"), (2, "lab.synthetic")]
     sources = {"a.py": "def f():\n    import b\n", "b.py": "import os\nfrom a import f\n", "c.py": "import a\n",
-               "lab/__init__.py": "", "lab/x.py": "from . import y\n", "lab/y.py": "import lab.x\n",
-               "tests/t.py": "import c\n"}
+               "lab/__init__.py": "from .z import w\n", "lab/x.py": "from . import y\n", "lab/y.py": "import lab.x\n",
+               "lab/z.py": "", "tests/t.py": "import c\n"}
     assert import_cycles(sources) == [["a.py:2 imports b", "b.py:2 imports a"],
                                       ["lab/x.py:1 imports lab.y", "lab/y.py:1 imports lab.x"]]
     assert import_cycles({"a.py": "import b\n", "b.py": "import os\n"}) == []

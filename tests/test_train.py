@@ -256,8 +256,10 @@ def test_the_schedule_follows_max_iters_unless_set(tmp_path):
     assert tc.parse_config(['--max_iters=5000'])[0]['warmup_iters'] == 100
     cfg, _ = tc.parse_config(['--max_iters=200', '--lr_decay_iters=150', '--warmup_iters=0'])
     assert (cfg['lr_decay_iters'], cfg['warmup_iters']) == (150, 0)
+    cfg, _ = tc.parse_config([os.path.join(ROOT, 'config', 'mha.py')])   # 50,000 iterations, 1,000 of warm-up
+    assert (cfg['max_iters'], cfg['lr_decay_iters'], cfg['warmup_iters']) == (50000, 50000, 1000)
     cfg, _ = tc.parse_config([os.path.join(ROOT, 'config', 'mha.py'), '--max_iters=100'])
-    assert (cfg['lr_decay_iters'], cfg['warmup_iters']) == (50000, 1000)   # the config file's
+    assert (cfg['lr_decay_iters'], cfg['warmup_iters']) == (100, 1000)   # the config file's warm-up, set there
 
 
 def test_a_closed_pipe_ends_quietly():
