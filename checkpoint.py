@@ -7,40 +7,47 @@ checkpoint.py: a training run's folder, kept safe, and what a run rebuilds from 
     out_dir/train.lock       flock'ed for the run's lifetime; names the run that holds it
 
 Every file is written whole or not at all (atomic_write): a kill or a full disk never costs the last
-good checkpoint. A checkpoint is read back with a one-line error for a missing, empty or damaged
-file; a resume cuts the logs back to it (cut_logs), dropping a torn last line with a note. Then the
-model, the device and the precision. train_char.py and eval_char.py import it, as can any reader.
+good checkpoint. A checkpoint is verified before use (its archive's CRC-32s, then what it holds),
+with a one-line error for a missing, empty or damaged file; a resume cuts the logs back to it
+(cut_logs), dropping a torn last line with a note; a new run refuses an out_dir holding a
+checkpoint or the logs of one. Then the model, the device and the precision. train_char.py and
+eval_char.py import it, as can any reader.
 """
 import errno
 import fcntl
 import importlib.util
 import json
+import math
 import os
 import re
+import resource
 import shlex
 import sys
 import time
 import warnings
+import zipfile
 from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 
-from configurator import die, problem
+from configurator import die, exit_status, problem, to_json
 from damcha_torch import GPT, GPTConfig
 
 HELD = []   # this process's lock on its training run's out_dir (lock_out_dir), while the run lasts
 DIVERGED = 3   # train_char.py's exit status when a non-finite loss stopped the run (lab/reproduce.py reads it)
+PARTIAL = r'.+\.damcha-partial-\d+\.tmp'   # atomic_write's temporary files: the only ones a run removes
 
 
 @contextmanager
 def atomic_write(path):
     """A binary file to write that appears at `path` only once complete: it is written beside it,
     flushed to disk, then renamed over it. A crash leaves the old file or none, never half a file.
-    The temporary file is this process's own (two processes never write the same one) and any
-    failure (a full disk, Ctrl-C, an error in the caller's block) removes it before passing on.
-    Every save of the project goes through here (prepared data, checkpoints, snapshots, logs)."""
-    tmp = f'{path}.{os.getpid()}.tmp'
+    The temporary file is this process's own (two processes never write the same one), named so
+    that it cannot be mistaken for a user's (PARTIAL), and any failure (a full disk, Ctrl-C, an
+    error in the caller's block) removes it before passing on. Every save of the project goes
+    through here (prepared data, checkpoints, snapshots, logs)."""
+    tmp = f'{path}.damcha-partial-{os.getpid()}.tmp'
     try:
         with open(tmp, 'wb') as f:
             yield f
@@ -66,7 +73,7 @@ def save(obj, out_dir, name, saved_iter):
         while cause is not None and not isinstance(cause, KeyboardInterrupt):
             cause = cause.__context__
         if cause is not None:
-            raise KeyboardInterrupt from None
+            raise cause from None
         die(f"could not save {path}: {why(e)}; the partial file was removed; {last_good(out_dir, saved_iter)}")
 
 
@@ -75,13 +82,14 @@ class Diverged(Exception):
 
 
 def stopped(e, out_dir, iter_num, saved_iter):
-    """(exit status, one line) of a run that Ctrl-C (130) or a non-finite loss (DIVERGED, which tells
-    lab/reproduce.py's sweep that the run diverged rather than failed) stopped at iter_num: where
-    it stopped, and what is on disk."""
+    """(exit status, one line) of a run that Ctrl-C, SIGTERM or SIGHUP (exit_status) or a non-finite
+    loss (DIVERGED, which tells lab/reproduce.py's sweep that the run diverged rather than failed)
+    stopped at iter_num: where it stopped, and what is on disk."""
     if isinstance(e, KeyboardInterrupt):
-        return 130, f"interrupted at iter {iter_num}: " + (
+        return exit_status(e), f"interrupted at iter {iter_num}: " + (
             f"a resume (--init_from=resume) starts from {out_dir}/ckpt.pt at iter {saved_iter}"
-            if saved_iter is not None else "no checkpoint was written yet: a rerun starts from scratch")
+            if saved_iter is not None else f"no checkpoint was written yet: to start again, move the logs "
+            f"out of {out_dir}, or choose another --out_dir")
     what, value, it = e.args
     return DIVERGED, (f"error: the {what} loss became {value} at iter {it}; stopped without saving: "
                       f"{last_good(out_dir, saved_iter)}; try a lower learning_rate")
@@ -118,8 +126,25 @@ def restore(ckpt, optimizer, scaler, batches, rank, device):
                 torch.cuda.set_rng_state(cuda_state)
     except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as e:
         die(f"the checkpoint's optimizer or RNG state does not fit this run ({type(e).__name__}: {str(e)[:300]})")
+    wrong = [(tuple(t.shape), tuple(w.shape)) for g in optimizer.param_groups for w in g['params']
+             for k, t in optimizer.state.get(w, {}).items() if k != 'step' and t.shape != w.shape]
+    if wrong:   # Adam would fail on them at the first step, in a traceback
+        die(f"the checkpoint is damaged: its optimizer state has a moment of shape {wrong[0][0]} for a {wrong[0][1]} weight")
     for group, setting in zip(optimizer.param_groups, settings):
         group.update(setting)
+
+
+def verify_archive(path):
+    """torch.save writes a zip archive with a CRC-32 of each entry, which torch.load never checks:
+    a changed byte (a flipped bit, a forged weight) would load in silence. One read of the file."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, EOFError, ValueError) as e:
+        bad = f'? ({e})'
+    if bad:
+        die(f"{path} is damaged: its entry {bad} fails its CRC-32 check (its bytes changed after it was "
+            "saved); it is left as it is: restore it from a copy, or start again in another --out_dir")
 
 
 def load_checkpoint(out_dir):
@@ -128,6 +153,8 @@ def load_checkpoint(out_dir):
         die(f"no checkpoint at {path}")
     if os.path.getsize(path) == 0:
         die(f"{path} is empty (0 bytes), not a checkpoint")
+    if zipfile.is_zipfile(path):   # anything else: torch.load's own error below says what it is
+        verify_archive(path)
     try:
         with warnings.catch_warnings():   # e.g. on a plain pickle: the error below says it in one line
             warnings.simplefilter('ignore')
@@ -142,9 +169,9 @@ def load_checkpoint(out_dir):
         die(f"{path} is not a checkpoint of train_char.py (it lacks {', '.join(missing) or 'the right types'})")
     numbers = dict(iter_num=int, tokens=int, best_val_loss=(int, float), elapsed=(int, float))
     wrong = [k for k, kind in numbers.items() if type(ckpt[k]) is bool or not isinstance(ckpt[k], kind)
-             or not ckpt[k] >= 0]   # a negative iter_num would resume with negative learning rates
+             or not 0 <= ckpt[k] < math.inf]   # a negative iter_num would resume with negative learning rates
     if wrong:
-        die(f"{path} is damaged: {', '.join(wrong)} should be numbers of at least 0")
+        die(f"{path} is damaged: {', '.join(wrong)} should be numbers of at least 0, and finite")
     vocab = ckpt['vocab']
     if not (isinstance(vocab, list) and vocab and len(set(vocab)) == len(vocab)
             and all(type(b) is int and 0 <= b < 256 for b in vocab)):
@@ -152,11 +179,13 @@ def load_checkpoint(out_dir):
     vocab_size = ckpt['model_args'].get('vocab_size')
     if type(vocab_size) is int and len(vocab) > vocab_size:   # its type is checked with the other settings
         die(f"{path} is damaged: its vocab has {len(vocab)} symbols, more than the model's vocab_size={vocab_size}")
-    # bytes overwritten inside a tensor still load: say so now, not as a diverging loss later
-    state = [t for s in ckpt['optimizer'].get('state', {}).values() if isinstance(s, dict) for t in s.values()]
-    if not all(torch.isfinite(t).all() for t in [*ckpt['model'].values(), *state]
+    # values no training writes: say so now, not as a diverging loss later
+    state = [s for s in ckpt['optimizer'].get('state', {}).values() if isinstance(s, dict)]
+    if not all(torch.isfinite(t).all() for t in [*ckpt['model'].values(), *(t for s in state for t in s.values())]
                if isinstance(t, torch.Tensor) and t.is_floating_point()):
         die(f"{path} is damaged: it holds weights or optimizer state that are not finite numbers")
+    if any(isinstance(s.get('exp_avg_sq'), torch.Tensor) and (s['exp_avg_sq'] < 0).any() for s in state):
+        die(f"{path} is damaged: its optimizer state holds a negative exp_avg_sq (Adam's mean squared gradient)")
     return ckpt
 
 
@@ -185,7 +214,7 @@ def load_error(e):
 
 def append_jsonl(path, entries):
     with open(path, 'a') as f:
-        f.writelines(json.dumps(e) + '\n' for e in entries)
+        f.writelines(to_json(e) + '\n' for e in entries)
 
 
 def read_jsonl(path):
@@ -225,14 +254,20 @@ def cut_logs(out_dir, k, resumed):
         if not all(isinstance(e.get('iter'), int) for e in entries):
             die(f"{path} has an entry without an iteration number: not a log of train_char.py")
         with atomic_write(path) as f:
-            f.write(''.join(json.dumps(e) + '\n' for e in entries if keep(e['iter'])).encode())
+            f.write(''.join(to_json(e) + '\n' for e in entries if keep(e['iter'])).encode())
 
 
 def no_checkpoint_in(out_dir):
-    """A new run never overwrites a checkpoint."""
+    """A new run never overwrites a checkpoint, nor the logs of a run whose checkpoint is gone."""
     path = os.path.join(out_dir, 'ckpt.pt')
     if os.path.exists(path):
         die(f"{path} exists: continue it with --init_from=resume, or choose another --out_dir")
+    logs = [n for n in ('log.jsonl', 'train_log.jsonl') if os.path.isfile(os.path.join(out_dir, n))
+            and os.path.getsize(os.path.join(out_dir, n))]
+    if logs:   # a resume is impossible, and a new run would replace them
+        die(f"{out_dir} holds {' and '.join(logs)} of an earlier run but no ckpt.pt"
+            f"{' (a link to a missing file)' * os.path.islink(path)}: it cannot be resumed; move the logs "
+            "away, or choose another --out_dir")
 
 
 def lock_out_dir(out_dir):
@@ -259,7 +294,7 @@ def lock_out_dir(out_dir):
     f.flush()
     HELD.append(f)
     for name in os.listdir(out_dir):   # left by a run killed mid-save (atomic_write): nobody writes them now
-        if re.fullmatch(r'.+\.\d+\.tmp', name):
+        if re.fullmatch(PARTIAL, name):
             os.remove(os.path.join(out_dir, name))
 
 
@@ -270,14 +305,35 @@ def unlock():
 
 
 def why(e):
-    """An exception as a reason: 'the disk is full' when it, or the error it came from, says so
-    (torch.save reports a full disk as a RuntimeError raised while handling the OSError)."""
-    cause = e
+    """An exception as a reason, naming a full disk or the file size limit (ulimit -f) where it, or the
+    error it came from, says so (torch.save reports either as a RuntimeError, 'unexpected pos')."""
+    cause, reasons = e, {errno.ENOSPC: 'the disk is full', errno.EFBIG: 'the file size limit (ulimit -f) was reached'}
     while cause is not None:
-        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-            return f"the disk is full ({cause.strerror})"
+        if isinstance(cause, OSError) and cause.errno in reasons:
+            return f"{reasons[cause.errno]} ({cause.strerror})"
         cause = cause.__cause__ or cause.__context__
     return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
+def out_of_memory(e, settings):
+    """One line naming the settings to lower, if e is memory running out (MemoryError, CUDA's
+    OutOfMemoryError, the CPU allocator's RuntimeError); else nothing."""
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(
+            s in str(e) for s in ("can't allocate memory", 'not enough memory')):
+        die(f"out of memory ({' '.join(str(e).split())[:120] or type(e).__name__}): lower {settings}")
+
+
+def check_fits(cfg, keys, device):
+    """Refuse, before allocating them, cfg[key] rows that cannot fit: one float32 (rows, block_size,
+    n_embd + vocab_size), their embeddings and logits, is less than any forward pass of them holds."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]   # ulimit -v, if one is set
+    have = (torch.cuda.get_device_properties(device).total_memory if device.startswith('cuda') else
+            min(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'), math.inf if limit < 0 else limit))
+    for key in keys:
+        need = 4 * cfg[key] * cfg['block_size'] * (cfg['n_embd'] + cfg['vocab_size'])
+        if need > have:
+            die(f"{key}={cfg[key]} asks for more than {need / 2**30:,.1f} GiB, and {device} has "
+                f"{have / 2**30:,.1f} GiB: lower it")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,14 +12,20 @@ Each argument, in order, overrides what came before:
     --help                the script's docstring, then every setting with its default and the
                           comment beside that default in the script's source (describe)
 A setting that does not exist, a value of the wrong type or outside the allowed choices ends the
-program with one line on stderr (die), never a traceback.
+program with one line on stderr (die), never a traceback. The scripts meet the shell alike here
+too: a closed pipe (pipe_closed), SIGTERM and SIGHUP taken as Ctrl-C (signals_as_ctrl_c), an
+output encoding that lacks a character (tolerant_stdout), JSON without NaN (to_json).
 """
 import ast
 import difflib
+import io
+import json
 import math
 import os
 import re
+import signal
 import sys
+from contextlib import contextmanager
 
 
 def die(message):
@@ -33,6 +39,50 @@ def pipe_closed():
     that SIGPIPE ended, as for any Unix tool in a pipe."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     raise SystemExit(128 + 13)
+
+
+def tolerant_stdout():
+    """stdout writes '?' for a character its encoding lacks (PYTHONIOENCODING=ascii, a C locale)
+    rather than failing, say, a finished run on the sample it prints."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors='replace')
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (args: its number), raised where Ctrl-C would be, to stop a run alike."""
+
+
+@contextmanager
+def signals_as_ctrl_c():
+    """SIGTERM (kill) and SIGHUP (a closed terminal) stop the block as Ctrl-C does: at a clean
+    point, saying where. A second signal while stopping is ignored rather than stopping the stop."""
+    def stop(signum, frame):
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def exit_status(e):
+    """A shell's status for a process that a signal stopped: 128 + its number (Ctrl-C: 130)."""
+    return 128 + (e.args[0] if isinstance(e, Interrupted) else signal.SIGINT)
+
+
+def to_json(obj, **kwargs):
+    """obj as JSON text, a non-finite number written as null: JSON has no NaN or Infinity, which a
+    strict reader of the file would refuse."""
+    def finite(o):
+        if isinstance(o, float) and not math.isfinite(o):
+            return None
+        if isinstance(o, (list, tuple)):
+            return [finite(v) for v in o]
+        return {k: finite(v) for k, v in o.items()} if isinstance(o, dict) else o
+    return json.dumps(finite(obj), allow_nan=False, **kwargs)
 
 
 def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=None, described_in=None):
@@ -125,6 +175,8 @@ def read_config_file(path):
             exec(compile(f.read(), path, 'exec'), namespace)
     except Exception as e:   # whatever a broken config file raises, report it in one line
         die(f"{path}: {type(e).__name__}: {e}")
+    except SystemExit as e:   # exit() in a config file would end the script in silence, having run nothing
+        die(f"{path}: exits (SystemExit: {e.code!r}) instead of setting values")
     return {k: v for k, v in namespace.items() if not k.startswith('_')}
 
 
@@ -134,10 +186,14 @@ def typed(key, value, want, from_text):
         try:
             value = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            die(f"{key}={value}: expected {want.__name__}" + (" (True or False)" if want is bool else ''))
+            if want is not float or value.strip().lower().lstrip('+-') not in ('nan', 'inf', 'infinity'):
+                die(f"{key}={value}: expected {want.__name__}" + (" (True or False)" if want is bool else ''))
+            value = float(value)   # a number, if not a finite one: refused below as such
     if want is float and type(value) is int:
         value = float(value)
     if type(value) is not want:
         die(f"{key}={value!r}: expected {want.__name__}, not {type(value).__name__}")
+    if want is float and not math.isfinite(value):   # nan passes every comparison; inf reaches the libraries
+        die(f"{key} must be a finite number, not {value}")
     return value
 

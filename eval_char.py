@@ -29,8 +29,9 @@ import sys
 import torch
 
 import damcha_torch
-from checkpoint import autocast_for, build_model, check_kernel, check_run_settings, pick_device, read_jsonl, resume, why
-from configurator import configure, die, pipe_closed
+from checkpoint import (autocast_for, build_model, check_fits, check_kernel, check_run_settings, out_of_memory,
+                        pick_device, read_jsonl, resume, why)
+from configurator import configure, die, pipe_closed, tolerant_stdout
 from damcha_torch import GPTConfig
 from data.prepare import check_lengths, decode, encode, load_dataset, split_loss
 
@@ -81,6 +82,7 @@ def evaluate(cfg, given):
     ckpt, cfg, model, device, ctx = load_for_inference(cfg, given)
     if cfg['stride'] > cfg['block_size']:
         die(f"stride={cfg['stride']} is larger than block_size={cfg['block_size']}: tokens would go unscored")
+    check_fits(cfg, ('batch_size',), device)
     if cfg['compile']:
         model = torch.compile(model)
     components, _ = load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'])
@@ -93,13 +95,15 @@ def evaluate(cfg, given):
                 print(f"note: {c['name']} has no {split} split", file=sys.stderr)
                 continue
             loss, count = split_loss(model, c['splits'][split], c['lut'], cfg, device, ctx, f"{c['name']} {split}")
+            if not math.isfinite(loss):   # the weights passed their checks, so the model overflows
+                die(f"the {split} loss of {c['name']} is {loss}: the model's outputs are not finite numbers")
             suffix = f"_{c['name']}" if len(components) > 1 else ''
             result |= {f'{split}_loss{suffix}': loss, f'{split}_bpc{suffix}': loss / LN2,
                        f'{split}_tokens{suffix}': count}
         if len(components) > 1 and f"{split}_loss_{components[0]['name']}" in result:
             loss = sum(result[f"{split}_loss_{c['name']}"] for c in components) / len(components)
             result |= {f'{split}_loss': loss, f'{split}_bpc': loss / LN2}
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2, allow_nan=False))
 
 
 def sample(cfg, given):
@@ -150,6 +154,7 @@ def plot(cfg, given):
 
 
 def main(argv):
+    tolerant_stdout()
     cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__, described_in=(__file__, damcha_torch.__file__))
     check_run_settings(cfg, RANGES)
     try:
@@ -157,7 +162,10 @@ def main(argv):
     except BrokenPipeError:   # stdout's reader went away (| head): not an error
         pipe_closed()
     except OSError as e:   # an unwritable plot_file, a full disk: the system's own one-line reason
-        die(why(e) if e.errno == errno.ENOSPC else e)
+        die(why(e) if e.errno in (errno.ENOSPC, errno.EFBIG) else e)
+    except (MemoryError, RuntimeError) as e:   # torch.OutOfMemoryError is a RuntimeError
+        out_of_memory(e, 'batch_size (eval) or block_size')
+        raise
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise SystemExit(130)

@@ -12,11 +12,11 @@ train_char.py: train character-level DAMCHA and MHA GPTs, as nanoGPT's train.py 
 
 Settings: the defaults below, then config files (plain assignments) and --key=value flags in the
 order given; a resumed run keeps its checkpoint's, but those given. data/prepare.py prepares the
-dataset on its first use, into data/<name>/ (a text file: data/<its stem>/) unless data_dir says
-otherwise. A run writes out_dir/ckpt.pt, log.jsonl (one line per evaluation) and train_log.jsonl
-(one line per iteration, which a resume reproduces exactly on CPU); checkpoint.py keeps that folder
-safe. Ctrl-C stops a run (status 130), saying where a resume starts. eval_char.py evaluates,
-samples from and plots the runs.
+dataset on its first use, into data/<name>/ (a text file: data/<its stem>-<its path's digest>/)
+unless data_dir says otherwise. A run writes out_dir/ckpt.pt, log.jsonl (one line per evaluation)
+and train_log.jsonl (one line per iteration, which a resume reproduces exactly on CPU);
+checkpoint.py keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP stops a run (status 128 + the
+signal's number), saying where a resume starts. eval_char.py evaluates, samples from and plots the runs.
 """
 import dataclasses
 import errno
@@ -34,10 +34,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import damcha_torch
-from checkpoint import (HELD, Diverged, append_jsonl, autocast_for, build_model, check_kernel, check_run_settings,
-                        cut_logs, lock_out_dir, model_config, no_checkpoint_in, pick_device, restore, resume,
-                        rng_states, save, stopped, unlock, why)
-from configurator import configure, die, pipe_closed
+from checkpoint import (HELD, Diverged, append_jsonl, autocast_for, build_model, check_fits, check_kernel,
+                        check_run_settings, cut_logs, lock_out_dir, model_config, no_checkpoint_in, out_of_memory,
+                        pick_device, restore, resume, rng_states, save, stopped, unlock, why)
+from configurator import configure, die, exit_status, pipe_closed, signals_as_ctrl_c, tolerant_stdout
 from damcha_torch import GPTConfig, get_lr
 from data.prepare import check_lengths, corpora, decode, encode, load_dataset
 
@@ -49,7 +49,7 @@ DEFAULTS = dict(
     out_dir='out-shakespeare',    # the run's folder (ckpt.pt, logs); {setting} takes a setting's value
     init_from='scratch',          # scratch | resume (continue out_dir/ckpt.pt with its settings, but those given)
     dataset='shakespeare',        # shakespeare | enwik8 | text8 | mix | path to a text file
-    data_dir='',                  # prepared data go in <data_dir>/<dataset, or a text file's stem>/; '': data/ here
+    data_dir='',                  # prepared data go in <data_dir>/<dataset, or a text file's stem-digest>/; '': data/
     seed=1337,                    # of the weights, the training rows and dropout
     device='auto',                # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     dtype='auto',                 # auto (CUDA: bfloat16 if supported, else float16; float32 elsewhere)
@@ -126,6 +126,8 @@ def plan(cfg, given):
     else:
         model_args = {k: cfg[k] for k in MODEL_KEYS}
         model_config(model_args | {'vocab_size': model_args['vocab_size'] or 1})   # fail before downloading
+    if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:   # the decay would raise the rate
+        die(f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}: give a min_lr at most the peak")
     try:
         snapshots = {int(t) for t in cfg['snapshot_iters'].split(',') if t.strip()}
     except ValueError:
@@ -253,6 +255,7 @@ def load_data(cfg, model_args, ckpt, p):
             die(f"vocab_size={vocab_size} is smaller than the dataset's {len(vocab)} symbols")
         model_args['vocab_size'] = cfg['vocab_size'] = vocab_size or len(vocab)
     check_lengths(components, ('train', 'val'), model_args['block_size'])
+    check_fits(cfg, ('batch_size', 'num_samples'), p.device)   # the rows of a micro-batch, and of the samples
     return components, vocab, encode(cfg['start'], vocab, model_args['block_size'])
 
 
@@ -342,11 +345,12 @@ def train_loop(cfg, p, components, model, raw_model, optimizer, scaler, batches,
                 speed = (it - eval_iter) * tokens / (time.time() - t_eval) if it > eval_iter else 0.0
                 states = rng_states(p.ddp)   # before evaluating, as the next step will find them
                 losses = estimate_loss(eval_model, components, cfg, p.device, p.ctx) if p.master else {}
-                val_loss = torch.tensor(losses.get('val_loss', 0.0), device=p.device)
+                what, bad = next(((k[:k.index('_')], v) for k, v in losses.items() if not math.isfinite(v)), ('', 0.0))
+                bad = torch.tensor(bad, device=p.device)
                 if p.ddp:
-                    dist.broadcast(val_loss, 0)   # only rank 0 evaluates, but every process must stop
-                if not math.isfinite(val_loss.item()):
-                    raise Diverged('val', val_loss.item(), it)
+                    dist.broadcast(bad, 0)   # only rank 0 evaluates, but every process must stop
+                if not math.isfinite(bad.item()):
+                    raise Diverged(what or 'val', bad.item(), it)
                 progress.elapsed = round(time.time() - t_run, 3)
                 if p.master:   # lr: of the step this iteration takes, as in train_log.jsonl
                     append_jsonl(os.path.join(out_dir, 'log.jsonl'), [dict(
@@ -442,16 +446,21 @@ def sample(raw_model, prompt, vocab, cfg, p):
 
 
 def main(argv):
+    tolerant_stdout()
     cfg, given = parse_config(argv)
     try:
-        train(cfg, given) if cfg['mode'] == 'train' else show_config(cfg, given)
+        with signals_as_ctrl_c():
+            train(cfg, given) if cfg['mode'] == 'train' else show_config(cfg, given)
     except BrokenPipeError:   # stdout's reader went away (| head): not an error
         pipe_closed()
     except OSError as e:   # an unwritable out_dir, a full disk: the system's own one-line reason
-        die(why(e) if e.errno == errno.ENOSPC else e)
-    except KeyboardInterrupt:   # Ctrl-C before training started
+        die(why(e) if e.errno in (errno.ENOSPC, errno.EFBIG) else e)
+    except (MemoryError, RuntimeError) as e:   # torch.OutOfMemoryError is a RuntimeError
+        out_of_memory(e, 'batch_size (and raise gradient_accumulation_steps), block_size, n_embd, n_layer or num_samples')
+        raise
+    except KeyboardInterrupt as e:   # Ctrl-C, SIGTERM or SIGHUP before training started
         print("interrupted", file=sys.stderr)
-        raise SystemExit(130)
+        raise SystemExit(exit_status(e))
     finally:   # the process ending releases out_dir's lock anyway; this is for main() called in-process
         unlock()
 

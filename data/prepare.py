@@ -12,23 +12,28 @@ download ahead, on a machine with a network say. From the repository root the tr
 the lab and the notebooks import it: `from data.prepare import load_dataset, encode, decode, split_loss`.
 
 Datasets are prepared once into <data_dir>/<name>/ (data_dir '' is this folder, data/ in the
-repository; a text file goes into <data_dir>/<its stem>/) as uint8 token ids
-({train,val,test}.bin, read with np.memmap) and meta.json (vocabulary as byte values, split sizes,
-source, checksum); preparing one says where it went, on stderr:
+repository; a text file goes into <data_dir>/<its stem>-<8 hex digits of its full path's SHA-256>/,
+its own whatever other file has its name) as uint8 token ids ({train,val,test}.bin, read with
+np.memmap) and meta.json (vocabulary as byte values, split sizes and SHA-256s, source, its
+checksum); preparing one says where it went, on stderr. Two preparations of one folder take turns
+(an flock on it). Each use checks the splits it maps against meta.json (their SHA-256, and their
+token ids against the vocabulary): a damaged split is prepared again from its source, with a note.
     shakespeare  the bundled data/shakespeare/input.txt: its distinct bytes, 90% train / 10% val
                  (no test split, so eval reports val only)
     enwik8       the first 10^8 bytes of English Wikipedia XML: 256 bytes, 90M / 5M / 5M
     text8        10^8 characters of a-z and space: 27 symbols, 90M / 5M / 5M
     mix          the paper's 50-50 mixture of enwik8 and text8 over the 256-byte vocabulary:
                  each training row comes from either with probability 1/2 (train_char.get_batch)
-    PATH         any text file, read as bytes: its distinct bytes, 90 / 5 / 5, under data/<file stem>/
+    PATH         any text file, read as bytes: its distinct bytes, 90 / 5 / 5, under data/<its stem>-<digest>/
 Without a network, put enwik8.zip or text8.zip (from mattmahoney.net/dc/) in data/enwik8/ or data/text8/.
 """
 import errno
+import fcntl
 import hashlib
 import http.client
 import json
 import os
+import stat
 import sys
 import urllib.request
 import zipfile
@@ -62,12 +67,13 @@ BUNDLED = os.path.join(HERE, 'shakespeare', 'input.txt')
 # ---------------------------------------------------------------------------------------------
 # Preparation
 
-def read_meta(folder):
-    """meta.json of a completely prepared dataset folder, else None (the folder is then prepared again)."""
+def read_meta(folder, digest):
+    """meta.json of a dataset folder completely prepared from the source with this digest, else
+    None (the folder is then prepared again)."""
     try:
         with open(os.path.join(folder, 'meta.json')) as f:
             meta = json.load(f)
-        if (isinstance(meta['digest'], str) and isinstance(meta['vocab'], list)
+        if (meta['digest'] == digest and isinstance(meta['vocab'], list) and meta['sha256'].keys() == meta['splits'].keys()
                 and all(os.path.getsize(os.path.join(folder, f'{s}.bin')) == n for s, n in meta['splits'].items())):
             return meta | {'dir': folder}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -75,17 +81,35 @@ def read_meta(folder):
     return None
 
 
-def write_splits(folder, ids, vocab, percents, source, digest):
-    """Cut ids into consecutive train/val(/test) parts by percentage; meta.json goes last."""
+def write_splits(folder, digest, make, again=False):
+    """The dataset folder prepared from the source with this digest: make() -> (ids, vocab,
+    percents, source), cut into consecutive train/val(/test) parts by percentage, meta.json last.
+    Under an flock on the folder, so that two preparations take turns rather than mix their files;
+    the second finds the first's work done, unless it prepares again a damaged folder."""
+    os.makedirs(folder, exist_ok=True)
+    lock = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process preparing {folder}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        meta = None if again else read_meta(folder, digest)
+        return meta if meta is not None else write_locked(folder, digest, *make())
+    finally:
+        os.close(lock)
+
+
+def write_locked(folder, digest, ids, vocab, percents, source):
     sizes = [len(ids) * p // 100 for p in percents[:-1]]
     sizes.append(len(ids) - sum(sizes))
-    os.makedirs(folder, exist_ok=True)
-    splits, begin = {}, 0
+    splits, sha256, begin = {}, {}, 0
     for split, size in zip(('train', 'val', 'test'), sizes):
         with atomic_write(os.path.join(folder, f'{split}.bin')) as f:
             f.write(ids[begin:begin + size])
-        splits[split], begin = size, begin + size
-    meta = dict(vocab=[int(b) for b in vocab], splits=splits, source=source, digest=digest)
+        splits[split], sha256[split] = size, hashlib.sha256(ids[begin:begin + size]).hexdigest()
+        begin += size
+    meta = dict(vocab=[int(b) for b in vocab], splits=splits, sha256=sha256, source=source, digest=digest)
     with atomic_write(os.path.join(folder, 'meta.json')) as f:
         f.write(json.dumps(meta).encode())
     print(f"prepared {folder}: " + ', '.join(f'{s} {n:,}' for s, n in splits.items())
@@ -145,13 +169,13 @@ def fetch(name, archive):
         die(f"{archive}: {e}; delete it to download it again")
 
 
-def prepare_download(name, data_dir):
+def prepare_download(name, data_dir, again=False):
     """enwik8 or text8, split 90 / 5 / 5 over the corpus's fixed vocabulary; prepared again if it
     was prepared from an archive with another checksum."""
     source, folder = SOURCES[name], os.path.join(data_dir, name)
-    algorithm, digest = source['digest']
-    meta = read_meta(folder)
-    if meta is not None and meta['digest'] == f'{algorithm}:{digest}':
+    digest = ':'.join(source['digest'])
+    meta = None if again else read_meta(folder, digest)
+    if meta is not None:
         return meta
     os.makedirs(folder, exist_ok=True)
     archive = os.path.join(folder, name + '.zip')
@@ -162,45 +186,55 @@ def prepare_download(name, data_dir):
     ids = lookup[np.frombuffer(data, dtype=np.uint8)]
     if len(vocab) < 256 and (ids == 255).any():
         die(f"{archive}: {name} holds bytes outside its {len(vocab)}-symbol vocabulary")
-    return write_splits(folder, ids, vocab, (90, 5, 5), source['url'], f'{algorithm}:{digest}')
+    return write_splits(folder, digest, lambda: (ids, vocab, (90, 5, 5), source['url']), again)
 
 
-def prepare_text(path, folder, percents):
+def prepare_text(path, folder, percents, again=False):
     """A local text file, byte-level: its distinct bytes are the vocabulary. Prepared again
     whenever the file's contents change."""
-    with open(path, 'rb') as f:
-        raw = f.read()
+    try:
+        with open(path, 'rb') as f:
+            raw = f.read()
+    except OSError as e:
+        die(f"cannot read the dataset {path}: {e.strerror or e}")
     if not raw:
         die(f"{path} is empty")
-    digest = 'md5:' + hashlib.md5(raw).hexdigest()
-    meta = read_meta(folder)
-    if meta is not None and meta['digest'] == digest:
+    digest = 'sha256:' + hashlib.sha256(raw).hexdigest()
+    meta = None if again else read_meta(folder, digest)
+    if meta is not None:
         return meta
     data = np.frombuffer(raw, dtype=np.uint8)
     vocab = np.unique(data)
-    return write_splits(folder, np.searchsorted(vocab, data).astype(np.uint8), vocab, percents,
-                        os.path.abspath(path), digest)
+    make = lambda: (np.searchsorted(vocab, data).astype(np.uint8), vocab, percents, os.path.abspath(path))
+    return write_splits(folder, digest, make, again)
 
 
-def prepare(name, data_dir=''):
-    """meta (with 'dir') of the prepared dataset `name`, preparing it if needed."""
+def prepare(name, data_dir='', again=False):
+    """meta (with 'dir') of the prepared dataset `name`, preparing it if needed; again: even if it
+    looks prepared (a split was found damaged)."""
     data_dir = data_dir or HERE   # resolved here, so a moved checkout still works
     if name in SOURCES:
-        return prepare_download(name, data_dir)
+        return prepare_download(name, data_dir, again)
     if name == 'shakespeare':
-        return prepare_text(BUNDLED, os.path.join(data_dir, 'shakespeare'), (90, 10))
-    return prepare_text(name, text_file_dir(name, data_dir), (90, 5, 5))
+        return prepare_text(BUNDLED, os.path.join(data_dir, 'shakespeare'), (90, 10), again)
+    return prepare_text(name, text_file_dir(name, data_dir), (90, 5, 5), again)
 
 
 def text_file_dir(path, data_dir):
-    """data_dir/<the file's stem>/, where a dataset given as a text file is prepared; a missing
-    file, or a stem that names another dataset, is refused."""
-    if not os.path.isfile(path):
+    """data_dir/<the file's stem>-<8 hex digits of the SHA-256 of its full path>/, where a dataset
+    given as a text file is prepared: two files of one name never share a folder (nor one named
+    like a dataset, enwik8.txt, that dataset's). A path that is not a regular file is refused,
+    saying what it is."""
+    if not os.path.exists(path):
         die(f"dataset {path!r} is neither shakespeare, enwik8, text8, mix nor an existing file")
+    if not os.path.isfile(path):   # a FIFO would hand its data over once, and a directory has none
+        kind = ('a directory' if os.path.isdir(path) else 'a FIFO (named pipe)'
+                if stat.S_ISFIFO(os.stat(path).st_mode) else 'a device or socket')
+        die(f"dataset {path!r} is {kind}, not a regular file: a dataset is a file read whole at each use "
+            "(to check its prepared data against it)")
+    full = os.path.realpath(path).encode(errors='surrogateescape')
     stem = os.path.splitext(os.path.basename(path))[0]
-    if stem in ('shakespeare', 'mix', *SOURCES):
-        die(f"{path} would be prepared into {data_dir}/{stem}/, which belongs to the {stem} dataset; rename it")
-    return os.path.join(data_dir, stem)
+    return os.path.join(data_dir, f'{stem}-{hashlib.sha256(full).hexdigest()[:8]}')
 
 
 def corpora(name, data_dir=''):
@@ -222,20 +256,46 @@ def load_dataset(name, data_dir='', vocab=None):
     the same). The vocabulary, a list of byte values, is the union of the components' unless a
     checkpoint fixes it."""
     names = corpora(name, data_dir)
-    metas = [prepare(n, data_dir) for n in names]
+    metas, mapped = zip(*(verified(n, data_dir) for n in names))
     if vocab is None:
         vocab = sorted(set().union(*(m['vocab'] for m in metas)))
     components = []
-    for n, meta in zip(names, metas):
+    for n, meta, splits in zip(names, metas, mapped):
         outside = sorted(set(meta['vocab']) - set(vocab))
         if outside:
             die(f"dataset {n} has {len(outside)} characters outside the model's vocabulary, "
                 f"e.g. {bytes(outside[:10])!r}")
         lut = None if meta['vocab'] == vocab else torch.tensor([vocab.index(b) for b in meta['vocab']])
-        splits = {s: np.memmap(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8, mode='r') if size
-                  else np.zeros(0, dtype=np.uint8) for s, size in meta['splits'].items()}
         components.append(dict(name=n, dir=meta['dir'], lut=lut, splits=splits))
     return components, vocab
+
+
+def verified(name, data_dir):
+    """(meta, splits as memmaps) of a prepared dataset, the very bytes that a run reads checked
+    against meta.json: a damaged split (or the splits of two preparations mixed) is prepared again
+    from its source, with a note; where the source is gone, preparing says so in one line."""
+    meta = prepare(name, data_dir)
+    for attempt in ('', ' again'):
+        splits = {s: np.memmap(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8, mode='r') if size
+                  else np.zeros(0, dtype=np.uint8) for s, size in meta['splits'].items()}
+        damage = '; '.join(f'{s}.bin {why}' for s, ids in splits.items()
+                           if (why := split_damage(ids, meta['sha256'][s], len(meta['vocab']))))
+        if not damage:
+            return meta, splits
+        if attempt:
+            die(f"{meta['dir']}: {damage}, though just prepared again from its source: is the disk failing?")
+        print(f"note: {meta['dir']}: {damage}; preparing it again from its source ({meta['source']})", file=sys.stderr)
+        meta = prepare(name, data_dir, again=True)
+
+
+def split_damage(ids, sha256, vocab_size):
+    """What is wrong with a split's token ids, or None: the SHA-256 that meta.json gives them (one
+    read of the data, a small part of a run's start-up), and their largest against the vocabulary."""
+    if hashlib.sha256(ids).hexdigest() != sha256:
+        return "does not match its SHA-256 in meta.json (damaged, or overwritten)"
+    if len(ids) and ids.max() >= vocab_size:
+        return f"holds token id {ids.max()}, past its {vocab_size}-symbol vocabulary"
+    return None
 
 
 def check_lengths(components, splits, block_size):
@@ -253,7 +313,7 @@ def encode(start, vocab, block_size):
     if start.startswith('FILE:'):
         try:
             with open(start[5:], 'rb') as f:
-                data = f.read()
+                data = f.read(block_size + 1)   # one token past the context tells a prompt too long; /dev/zero ends
         except OSError as e:
             die(f"cannot read the prompt from {start[5:]}: {e}")
     elif start == '':
@@ -278,7 +338,8 @@ def encode(start, vocab, block_size):
     if not ids:
         die("the prompt is empty")
     if len(ids) > block_size:
-        die(f"the prompt is {len(ids)} tokens, longer than the model's context (block_size={block_size})")
+        die(f"the prompt is {f'over {block_size}' if start.startswith('FILE:') else len(ids)} tokens, longer than "
+            f"the model's context (block_size={block_size})")
     return ids
 
 

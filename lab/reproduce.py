@@ -70,8 +70,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repos
 if ROOT not in sys.path:   # run as a file (python lab/reproduce.py): the book's modules are in the root
     sys.path.insert(0, ROOT)
 
-from checkpoint import DIVERGED, pick_device, read_jsonl
-from configurator import configure, die
+from checkpoint import DIVERGED, lock_out_dir, pick_device, read_jsonl, unlock
+from configurator import Interrupted, configure, die, exit_status, signals_as_ctrl_c, to_json
 from damcha_torch import GPTConfig
 from lab.counts import count_params, equal_params_width
 from data.prepare import atomic_write, load_dataset
@@ -276,11 +276,15 @@ def evaluate_checkpoint(run, out_dir, device, *more):
 
 def run_to_the_end(cmd):
     """Run cmd and return its exit status. On Ctrl-C, which reaches the child too, wait for the child
-    to finish its own shutdown (subprocess.run would kill it after a quarter of a second), then stop."""
+    to finish its own shutdown (subprocess.run would kill it after a quarter of a second), then stop.
+    SIGTERM or SIGHUP sent to this process alone is passed on first, so the child stops as it would
+    (saying where), never left training as an orphan that holds its out_dir."""
     with subprocess.Popen(cmd) as child:
         try:
             return child.wait()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            if isinstance(e, Interrupted):   # a child that got it too ignores a second one
+                child.send_signal(e.args[0])
             child.wait()
             raise
 
@@ -295,6 +299,14 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
     if trained is not None and trained > max_iters:   # its bpc would be summarized beside max_iters
         die(f"{out_dir}/ckpt.pt is at iter {trained}, past the max_iters={max_iters} asked now; "
             "give its settings, or another --out_root")
+    logs = [os.path.join(out_dir, n) for n in ('log.jsonl', 'train_log.jsonl')]
+    if trained is None and any(os.path.exists(p) for p in logs):   # train_char.py keeps them from a new run
+        lock_out_dir(out_dir)   # refused in one line while another process trains this run
+        print(f"note: {run} was stopped before its first checkpoint; its logs in {out_dir} are removed and it "
+              "starts again", flush=True)
+        for path in filter(os.path.exists, logs):
+            os.remove(path)
+        unlock()
     if trained == max_iters:
         print(f"{run}: trained, {out_dir}/ckpt.pt is at max_iters; evaluating it", flush=True)
     else:
@@ -310,8 +322,8 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
                 die(f"training {run} failed (its output above says why); "
                     "once that is fixed, the same command resumes it")
             result = dict(failed=True, val_bpc=float('inf')) | (extra or {})
-            with atomic_write(os.path.join(results, run + '.eval.json')) as f:
-                f.write((json.dumps(result, indent=2) + '\n').encode())
+            with atomic_write(os.path.join(results, run + '.eval.json')) as f:   # val_bpc: null (read_evals)
+                f.write((to_json(result, indent=2) + '\n').encode())
             return result
     result = evaluate_checkpoint(run, out_dir, opts['device'])
     if os.path.isabs(result['dataset']):   # a file made for the study: where it is in the checkout, not on this machine
@@ -326,7 +338,7 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
         for f in snapshots:
             shutil.copyfile(os.path.join(out_dir, f), os.path.join(results, 'snapshots', run, f))
     with atomic_write(os.path.join(results, run + '.eval.json')) as f:   # last: it marks the run done
-        f.write((json.dumps(result, indent=2) + '\n').encode())
+        f.write((to_json(result, indent=2) + '\n').encode())
     return result
 
 
@@ -356,7 +368,7 @@ def write_summary(rows, runs, opts, results):
     dataset = opts['dataset']
     settings = {k: v for k, v in runs['mha'].items() if k != 'attn'}
     with open(os.path.join(results, 'summary.json'), 'w') as f:
-        json.dump(dict(dataset=dataset, seeds=opts['seeds'], rows=rows), f, indent=2)
+        f.write(to_json(dict(dataset=dataset, seeds=opts['seeds'], rows=rows), indent=2))
     lines = [f"Character-level comparison on {dataset}: {opts['seeds']} seed(s), mean ± sample std over seeds "
              f"of the bits per character of the whole split (eval_char.py).", '',
              f"Settings: `{' '.join(flags(settings))}`"
@@ -400,10 +412,10 @@ def write_study_summary(path, summary):
     except (OSError, ValueError):
         old = None
     but_commit = lambda d: {k: v for k, v in d.items() if k != 'commit'}
-    if isinstance(old, dict) and but_commit(old) == but_commit(json.loads(json.dumps(summary))):
+    if isinstance(old, dict) and but_commit(old) == but_commit(json.loads(to_json(summary))):
         return
     with open(path, 'w') as f:
-        json.dump(summary, f, indent=2)
+        f.write(to_json(summary, indent=2))
 
 
 def t_quantile(p, dof):
@@ -470,7 +482,9 @@ def read_evals(results):
     out = {}
     for f in sorted(os.listdir(results)) if os.path.isdir(results) else []:
         if f.endswith('.eval.json'):
-            out[f.removesuffix('.eval.json')] = read_json(os.path.join(results, f))
+            out[f.removesuffix('.eval.json')] = result = read_json(os.path.join(results, f))
+            if result.get('failed'):   # a diverged run: its val_bpc, infinite, is written as null
+                result['val_bpc'] = math.inf
     return out
 
 
@@ -663,14 +677,15 @@ def study(opts, passthrough):
 def main(argv):
     opts, passthrough = parse_options(argv)
     try:
-        if opts['study']:
-            opts['snapshot'] = opts['snapshot'] if opts['snapshot'] != 'damcha-seed1' else ''
-            study(opts, passthrough)
-        else:
-            sweep(opts, passthrough)
-    except KeyboardInterrupt:   # Ctrl-C reaches train_char.py too; its checkpoint is whole (atomic writes)
+        with signals_as_ctrl_c():   # SIGTERM and SIGHUP too, passed on to the training run (run_to_the_end)
+            if opts['study']:
+                opts['snapshot'] = opts['snapshot'] if opts['snapshot'] != 'damcha-seed1' else ''
+                study(opts, passthrough)
+            else:
+                sweep(opts, passthrough)
+    except KeyboardInterrupt as e:   # Ctrl-C reaches train_char.py too; its checkpoint is whole (atomic writes)
         print("interrupted: finished runs are kept, and the same command resumes the rest", file=sys.stderr)
-        raise SystemExit(130)
+        raise SystemExit(exit_status(e))
     except OSError as e:        # a results folder that cannot be made, a full disk: the system's reason
         die(e)
 

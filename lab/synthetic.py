@@ -58,7 +58,6 @@ results/synthetic/ holds the default sweep (1500 steps), results/synthetic/long/
 at three lambdas trained 4x longer (6000 steps), to see whether the trend over lambda holds.
 """
 import csv
-import json
 import math
 import os
 import statistics
@@ -74,7 +73,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repos
 if ROOT not in sys.path:   # run as a file (python lab/synthetic.py): the book's modules are in the root
     sys.path.insert(0, ROOT)
 
-from configurator import configure, die
+from configurator import configure, die, to_json
 from damcha_torch import Block, GPTConfig, add_metric, configure_optimizers, get_lr, init_weights, shares_metric, stack_forward
 from lab.counts import count_params, equal_params_width
 
@@ -276,6 +275,7 @@ def read_settings(argv):
     lambdas, dims = parse_list("lambdas", cfg["lambdas"], float), parse_list("dims", cfg["dims"], int)
     if any(d < 1 for d in dims):
         die(f"dims must be positive, not {cfg['dims']}")
+    check_memory(max(dims, default=1), cfg["n_layer"])
     if not all(math.isfinite(lam) for lam in lambdas):
         die(f"lambdas must be finite numbers, not {cfg['lambdas']}")
     if cfg["quick"]:
@@ -293,6 +293,18 @@ def read_settings(argv):
     except OSError as e:
         die(f"out={out_dir}: {e.strerror or e}")
     return cfg, lambdas, dims, out_dir
+
+
+def check_memory(d_e, n_layer):
+    """Refuse, before allocating it, a task that cannot fit in this machine's memory: the teacher's
+    scores (H * H * d_e^2 floats) and the model's weights, gradients and Adam moments (4 x its
+    parameters) are less than one of its runs holds."""
+    fields = dict(vocab_size=1, block_size=T, n_layer=n_layer, n_head=H, n_embd=H * d_e, attn="mha")
+    need = 4 * (H * H * d_e**2 + 4 * count_params(fields))
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        die(f"dims={d_e} asks for more than {need / 2**30:,.0f} GiB (the teacher's scores and the model's weights "
+            f"and optimizer), and this machine has {have / 2**30:,.0f} GiB: give smaller dims")
 
 
 def run_jobs(jobs, workers):
@@ -335,7 +347,7 @@ def write_results(rows, meta, out_dir):
             writer.writerow({k: r.get(k) for k in fields})
     summary = summarize(rows)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump({"settings": meta, "points": summary}, f, indent=1)
+        f.write(to_json({"settings": meta, "points": summary}, indent=1))
     for p in summary:
         print(f"{p['task']:14s} x={p['x']:<4} mha {p['mha_mean']:.4f}±{p['mha_std']:.4f} "
               f"damcha {p['damcha_mean']:.4f}±{p['damcha_std']:.4f} gain {p['gain_mean']:+.4f}±{p['gain_std']:.4f} "

@@ -180,7 +180,7 @@ def test_a_second_run_is_refused_and_the_lock_dies_with_the_first(tmp_path, data
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
-    (out / 'ckpt.pt.99999.tmp').write_bytes(b'half a checkpoint')   # as a kill mid-save leaves it
+    (out / 'ckpt.pt.damcha-partial-99999.tmp').write_bytes(b'half a checkpoint')   # as a kill mid-save leaves it
     saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
     tc.main([f'--out_dir={out}', '--init_from=resume', f'--max_iters={saved + 1}'])   # the kernel freed the lock
     assert not glob.glob(str(out / '*.tmp'))
@@ -192,7 +192,7 @@ def test_temporary_files_are_per_process_and_removed_on_failure(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         with atomic_write(path) as f:
             f.write(b'half of a new one')
-            assert os.path.exists(f'{path}.{os.getpid()}.tmp')
+            assert os.path.exists(f'{path}.damcha-partial-{os.getpid()}.tmp')
             raise KeyboardInterrupt
     assert path.read_bytes() == b'the last good one' and os.listdir(tmp_path) == ['ckpt.pt']
 

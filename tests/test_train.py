@@ -18,6 +18,8 @@ import io
 import json
 import math
 import os
+import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -277,7 +279,7 @@ def test_a_closed_pipe_ends_quietly():
 
 
 def test_a_run_says_where_it_resumes_and_where_its_data_are(tmp_path, capsys):
-    """A run prints where its dataset was prepared (a text file: <data_dir>/<its stem>/); a resumed
+    """A run prints where its dataset was prepared (a text file: <data_dir>/<its stem>-<digest>/); a resumed
     run prints the checkpoint and iteration it starts from, and says in one line when its
     checkpoint's lr_decay_iters is no longer max_iters."""
     text = tmp_path / 'notes.txt'
@@ -286,7 +288,9 @@ def test_a_run_says_where_it_resumes_and_where_its_data_are(tmp_path, capsys):
     run(*TINY, f'--dataset={text}', f'--data_dir={tmp_path / "data"}', f'--out_dir={out}', '--max_iters=4',
         '--eval_interval=2')
     printed, err = capsys.readouterr()
-    assert f"data: {text} prepared in {tmp_path / 'data' / 'notes'}\n" in printed and 'resuming' not in printed
+    where = prep.text_file_dir(str(text), str(tmp_path / 'data'))
+    assert re.fullmatch(r'notes-[0-9a-f]{8}', os.path.basename(where)) and os.path.dirname(where) == str(tmp_path / 'data')
+    assert f"data: {text} prepared in {where}\n" in printed and 'resuming' not in printed
     assert 'lr_decay_iters' not in err   # it followed max_iters
     run(f'--out_dir={out}', '--init_from=resume', '--max_iters=6')
     printed, err = capsys.readouterr()
@@ -314,29 +318,28 @@ def test_text_file_is_split_90_5_5_and_prepared_again_when_it_changes(tmp_path):
     text = tmp_path / 'notes.txt'
     text.write_bytes(b'hello world, ' * 100)
     meta = prep.prepare(str(text), str(tmp_path / 'data'))
-    assert meta['dir'] == str(tmp_path / 'data' / 'notes')
+    assert meta['dir'] == prep.text_file_dir(str(text), str(tmp_path / 'data'))
     assert meta['splits'] == {'train': 1170, 'val': 65, 'test': 65}
     assert bytes(meta['vocab']) == b' ,dehlorw'
     text.write_bytes(b'abc' * 100)
     assert bytes(prep.prepare(str(text), str(tmp_path / 'data'))['vocab']) == b'abc'
-    meta = tmp_path / 'data' / 'notes' / 'meta.json'   # damaged (no checksum): prepared again, not a traceback
+    meta = pathlib.Path(meta['dir']) / 'meta.json'   # damaged (no checksum): prepared again, not a traceback
     meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != 'digest'}))
     assert bytes(prep.prepare(str(text), str(tmp_path / 'data'))['vocab']) == b'abc' and 'digest' in meta.read_text()
 
 
 def test_a_split_needs_more_tokens_than_the_context_and_a_file_its_own_folder(tmp_path):
     """A window is block_size + 1 tokens: a split of exactly block_size is refused in one line,
-    and a prompt of block_size bytes is taken. A text file named like a dataset is refused
-    before it overwrites that dataset's prepared folder."""
+    and a prompt of block_size bytes is taken. A text file named like a dataset is prepared into
+    a folder of its own, never over that dataset's prepared folder."""
     split = dict(name='notes', splits=dict(val=np.zeros(16, dtype=np.uint8)))
     with pytest.raises(SystemExit, match='the val split of notes has 16 tokens, too few for block_size=16'):
         prep.check_lengths([split], ('val',), 16)
     prep.check_lengths([split], ('val',), 15)
     assert prep.encode('a' * 16, [97], 16) == [0] * 16
     (tmp_path / 'enwik8.txt').write_text('abc' * 100)
-    with pytest.raises(SystemExit, match='which belongs to the enwik8 dataset; rename it'):
-        prep.prepare(str(tmp_path / 'enwik8.txt'), str(tmp_path / 'data'))
-    assert not (tmp_path / 'data').exists()
+    meta = prep.prepare(str(tmp_path / 'enwik8.txt'), str(tmp_path / 'data'))
+    assert os.path.basename(meta['dir']).startswith('enwik8-') and not (tmp_path / 'data' / 'enwik8').exists()
 
 
 def test_prepare_runs_as_a_script_from_anywhere(tmp_path):
@@ -356,8 +359,7 @@ def test_a_split_file_of_the_wrong_size_is_prepared_again(tmp_path):
     unprepared: the next use writes it again in full rather than reading the short one."""
     text = tmp_path / 'notes.txt'
     text.write_bytes(b'hello world, ' * 100)
-    prep.prepare(str(text), str(tmp_path / 'data'))
-    val = tmp_path / 'data' / 'notes' / 'val.bin'
+    val = pathlib.Path(prep.prepare(str(text), str(tmp_path / 'data'))['dir']) / 'val.bin'
     whole = val.read_bytes()
     val.write_bytes(whole[:10])
     assert prep.prepare(str(text), str(tmp_path / 'data'))['splits']['val'] == 65
