@@ -48,6 +48,8 @@ model, also evaluated with blocks=diag and offdiag).
     python lab/reproduce.py --study=2x2 --regime=lr      # LR sweep (--lr_grid, 1 seed), held-out slice of train
     python lab/reproduce.py --study=2x2 --regime=i       # one pass (1,860 iters), 5 seeds at the chosen rates
     python lab/reproduce.py --study=2x2 --regime=ii      # 6,000 iters (~3 passes) with dropout 0.1, 5 seeds
+    python lab/reproduce.py --study=2x2 --regime=iii --variants=mha,proj,damcha   # 6,000 iters, no dropout
+    python lab/reproduce.py --study=2x2 --regime=iv --variants=mha,proj,damcha    # 1,860 iters, dropout 0.1
 Results under results/study2x2/<regime>/ (each eval JSON records the commit), checkpoints under
 out-study/2x2/<regime>/; finished runs are skipped, so each command resumes, and rerun on finished
 results it only rewrites summary.md / summary.json (paired differences to MHA with 95% t intervals
@@ -96,9 +98,11 @@ STUDY = dict(
 )
 # regimes: "lr" the learning-rate sweep (one seed per rate, scored on a held-out slice of the training
 # split), "i" one pass over the training split (1,429,444 characters / (12 x 64) = 1,861 iterations),
-# "ii" several passes with dropout 0.1
+# "ii" about three passes with dropout 0.1; "iii" and "iv" complete the 2x2 of passes x dropout:
+# three passes without dropout, one pass with it
 REGIMES = dict(lr=dict(max_iters=1860, eval_interval=100), i=dict(max_iters=1860, eval_interval=100),
-               ii=dict(max_iters=6000, eval_interval=250, dropout=0.1))
+               ii=dict(max_iters=6000, eval_interval=250, dropout=0.1), iii=dict(max_iters=6000, eval_interval=250),
+               iv=dict(max_iters=1860, eval_interval=100, dropout=0.1))
 # the run named by --snapshot also keeps its weights at these fractions of max_iters, in
 # <results>/snapshots/<run>/: notebooks/04 plots its learned metric over training from them
 SNAPSHOT_AT = (0, 0.025, 0.1, 0.3, 1)
