@@ -1,0 +1,75 @@
+"""notebooks/course.py: small helpers the notebooks share, kept out of their cells so that each cell
+shows one idea: exercise grading, softmax and entropy rows, and notebook 05's plots. Plain functions, no state.
+
+    import course        # the notebooks put notebooks/ on sys.path and import it
+"""
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def grade(name, error, tolerance, what="max |error|"):
+    """Print an exercise's verdict: pass when error <= tolerance, with the size of the error."""
+    verdict = "pass" if error <= tolerance else "FAIL"
+    print(f"exercise {name}: {verdict}, {what} = {error:.1e} (tolerance {tolerance:.0e})")
+
+
+
+def softmax_rows(S):
+    """Softmax over the last axis; -inf entries (masked keys) get probability 0."""
+    e = np.exp(S - S.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def entropy_bits(A):
+    """The entropy in bits of each attention row of A (..., T): 0 for one key, log2(t + 1) uniform."""
+    A = np.asarray(A, float)
+    logs = np.log2(np.where(A > 0, A, 1.0))
+    return -(A * logs).sum(-1)
+
+
+# ---- notebook 05: the 2x2 study's plots -------------------------------------------------------
+
+def compare_plot(by_variant, variants, colors):
+    """Three panels: each seed's whole-val bpc and the mean; the paired difference to MHA with its 95% t
+    interval at equal steps; the same at equal wall-clock (its own scale: those intervals are wider)."""
+    fig, (left, steps, clock) = plt.subplots(1, 3, figsize=(13, 3.8), gridspec_kw=dict(width_ratios=[1.2, 1, 1]))
+    for k, v in enumerate(variants):
+        r = by_variant[v]
+        left.scatter([k] * len(r["val_bpc"]), r["val_bpc"], color=colors[v], s=18)
+        left.plot([k - 0.25, k + 0.25], [r["val_bpc_mean"]] * 2, color=colors[v], lw=2)
+    left.set_xticks(range(len(variants)), variants, rotation=20)
+    left.set(ylabel="whole-val bpc", title="each seed, and the mean")
+    others = [v for v in variants if v != "mha"]
+    for ax, key, title in ((steps, "diff_equal_steps", "at equal steps"), (clock, "diff_equal_time", "at equal wall-clock")):
+        for k, v in enumerate(others):
+            mean, half = by_variant[v][key]
+            ax.errorbar([k], [mean], yerr=None if half is None else [[half], [half]], fmt="o", color=colors[v], capsize=3)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xticks(range(len(others)), others, rotation=20)
+        ax.set(title=f"minus MHA, {title}, 95% t interval")
+    steps.set_ylabel("bpc minus MHA's (negative: better)")
+    for ax in (left, steps, clock):
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+
+
+def sides_plot(summaries, colors):
+    """The 2x2's contrasts, labelled by the factor they change, with their 95% t intervals: filled markers
+    for the first regime, open ones for the second ({regime: summary})."""
+    names = [c["contrast"] for c in next(iter(summaries.values()))["contrasts"]]
+    fig, ax = plt.subplots(figsize=(11, 0.5 * len(names) + 1.0))
+    for n, (regime, summary) in enumerate(summaries.items()):
+        for c in summary["contrasts"]:
+            k = names.index(c["contrast"]) + 0.2 * (n - (len(summaries) - 1) / 2)
+            mean, half = c["diff"]
+            ax.errorbar([mean], [k], xerr=None if half is None else [[half], [half]], fmt="os"[n % 2],
+                        color=colors.get(c["first"], "k"), mfc="white" if n else None, capsize=3)
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_yticks(range(len(names)), [n.replace("interaction: ", "interaction:\n") for n in names], fontsize=9)
+    ax.invert_yaxis()
+    regimes = " (filled: regime %s, open: regime %s)" % tuple(summaries) if len(summaries) == 2 else ""
+    ax.set(xlabel="paired difference in whole-val bpc (negative: the change helps)", title="the 2x2's sides" + regimes)
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()

@@ -1,0 +1,87 @@
+"""notebooks/solutions.py: the reference answers to the notebooks' exercises.
+
+Every exercise cell of notebooks/01 to 05 defines a function whose body is one line, a call to the
+answer here; the check in the next cell grades whatever the function returns. To do an exercise,
+replace that line with your own code and run the check. Read an answer here only after trying.
+The notebooks import this file themselves (they run with notebooks/ as the working directory).
+
+    python -c "import solutions"      # from notebooks/: it imports NumPy and nothing else
+"""
+import math
+
+import numpy as np
+
+
+# ---- 01: the formulation ------------------------------------------------------------------------
+
+def two_steps_back(omega, beta):
+    """01, exercise 1: a metric that makes the query of t attend to t - 2. Rows are vectors, so m
+    acts from the right, x m; the matrix that turns a row vector back by an angle a is
+    [[cos a, -sin a], [sin a, cos a]] (the column-vector rotation by +a, transposed twice)."""
+    a = 2 * omega
+    return beta * np.array([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
+
+
+def zeroed_query_row(t):
+    """01, exercise 2: head 0's attention row at query t when its slice of u_t is zero. Every score
+    (0 m) . x_s / sqrt(dh) is 0, so the softmax over the t + 1 keys s <= t is uniform."""
+    return np.full(t + 1, 1.0 / (t + 1))
+
+
+def diagonal_only_row(S_row, H):
+    """01, exercise 3, and 05, exercise 2: the attention row the diagonal-only ablation gives, from
+    the full model's scores S_row (one query, its keys s <= t). The diagonal block keeps m_i / H of
+    the metric (plus a decaying remnant of the initialisation), so every score is divided by H."""
+    z = S_row / H
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+# ---- 02: the backward pass ----------------------------------------------------------------------
+
+def metric_query_backward(dq, cache):
+    """02, exercise 2: q = x m per (b, t, i). dx = dq m^T; dm = x^T dq, an outer product, summed
+    over (b, t) when one static m (H, dh, dh) served every position."""
+    x, m = cache
+    dx = np.einsum("...e,...ae->...a", dq, m)
+    dm = np.einsum("...a,...e->...ae", x, dq)
+    if m.ndim == 3:
+        dm = dm.reshape(-1, *m.shape).sum(0)
+    return dx, dm
+
+
+def rowsum_backward(dm, shape):
+    """02, exercise 3: m_i = sum_j M_ij, so every block of row i gets dm_i: a broadcast over j."""
+    return np.broadcast_to(dm[..., None, :], shape).copy()
+
+
+def causal_softmax_backward(dA, A):
+    """02, exercise 1: per row, dS_r = A_r (dA_r - sum_s dA_s A_s); masked entries have A = 0."""
+    return A * (dA - (dA * A).sum(-1, keepdims=True))
+
+
+def prefix_mean_backward(dc, counts):
+    """02, exercise 4: c_t = sum_{s<=t} z_s / (t+1), so dz_s = sum_{t>=s} dc_t / (t+1): divide by the
+    counts, then a cumulative sum from the last position back to the first."""
+    return np.cumsum((dc / counts)[:, ::-1], axis=1)[:, ::-1]
+
+
+# ---- 03 to 05: the numbers of the runs ----------------------------------------------------------
+
+def paired_gain(mse_mha, mse_damcha):
+    """03, exercise 1: the mean over seeds of each seed's relative gain (MSE_MHA - MSE_DAMCHA) / MSE_MHA."""
+    mha, damcha = np.asarray(mse_mha, float), np.asarray(mse_damcha, float)
+    return float(np.mean((mha - damcha) / mha))
+
+
+def paired_t(first, second):
+    """04, exercise 1: the paired t statistic of first - second, seed by seed: mean / (sd / sqrt(n))."""
+    d = np.asarray(first, float) - np.asarray(second, float)
+    return float(d.mean() / (d.std(ddof=1) / math.sqrt(len(d))))
+
+
+def paired_interval(first, second, t_crit):
+    """05, exercise 1: (mean, half-width) of the 95% t interval of the paired differences; t_crit is
+    Student's 0.975 quantile for n - 1 degrees of freedom."""
+    d = np.asarray(first, float) - np.asarray(second, float)
+    return float(d.mean()), float(t_crit * d.std(ddof=1) / math.sqrt(len(d)))
