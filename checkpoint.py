@@ -7,11 +7,10 @@ checkpoint.py: a training run's folder, kept safe, and what a run rebuilds from 
     out_dir/train.lock       flock'ed for the run's lifetime; names the run that holds it
 
 Every file is written whole or not at all (atomic_write): a kill or a full disk never costs the last
-good checkpoint. A checkpoint is verified before use (its archive's CRC-32s, then what it holds),
-with a one-line error for a missing, empty or damaged file; a resume cuts the logs back to it
-(cut_logs), dropping a torn last line with a note; a new run refuses an out_dir holding a
-checkpoint or the logs of one. Then the model, the device and the precision. train_char.py and
-eval_char.py import it, as can any reader.
+good checkpoint. A checkpoint is verified (its archive's CRC-32s, then what it holds) with a
+one-line error for a missing, empty or damaged file; a resume cuts the logs back to it (cut_logs),
+dropping a torn last line with a note; a new run refuses an out_dir holding a checkpoint or logs.
+Then the model, the device, the precision and memory. train_char.py and eval_char.py import it.
 """
 import errno
 import fcntl
@@ -129,7 +128,8 @@ def restore(ckpt, optimizer, scaler, batches, rank, device):
     wrong = [(tuple(t.shape), tuple(w.shape)) for g in optimizer.param_groups for w in g['params']
              for k, t in optimizer.state.get(w, {}).items() if k != 'step' and t.shape != w.shape]
     if wrong:   # Adam would fail on them at the first step, in a traceback
-        die(f"the checkpoint is damaged: its optimizer state has a moment of shape {wrong[0][0]} for a {wrong[0][1]} weight")
+        die(f"the checkpoint is damaged: its optimizer state has a moment of shape {wrong[0][0]} for a "
+            f"{wrong[0][1]} weight")
     for group, setting in zip(optimizer.param_groups, settings):
         group.update(setting)
 
@@ -315,27 +315,6 @@ def why(e):
     return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
-def out_of_memory(e, settings):
-    """One line naming the settings to lower, if e is memory running out (MemoryError, CUDA's
-    OutOfMemoryError, the CPU allocator's RuntimeError); else nothing."""
-    if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(
-            s in str(e) for s in ("can't allocate memory", 'not enough memory')):
-        die(f"out of memory ({' '.join(str(e).split())[:120] or type(e).__name__}): lower {settings}")
-
-
-def check_fits(cfg, keys, device):
-    """Refuse, before allocating them, cfg[key] rows that cannot fit: one float32 (rows, block_size,
-    n_embd + vocab_size), their embeddings and logits, is less than any forward pass of them holds."""
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]   # ulimit -v, if one is set
-    have = (torch.cuda.get_device_properties(device).total_memory if device.startswith('cuda') else
-            min(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'), math.inf if limit < 0 else limit))
-    for key in keys:
-        need = 4 * cfg[key] * cfg['block_size'] * (cfg['n_embd'] + cfg['vocab_size'])
-        if need > have:
-            die(f"{key}={cfg[key]} asks for more than {need / 2**30:,.1f} GiB, and {device} has "
-                f"{have / 2**30:,.1f} GiB: lower it")
-
-
 # ---------------------------------------------------------------------------------------------
 # A run's model, device and precision
 
@@ -431,6 +410,27 @@ def autocast_for(device, dtype):
     if dtype == 'float32':
         return dtype, nullcontext()
     return dtype, torch.autocast(device_type=kind, dtype=getattr(torch, dtype))
+
+
+def out_of_memory(e, settings):
+    """One line naming the settings to lower, if e is memory running out (MemoryError, CUDA's
+    OutOfMemoryError, the CPU allocator's RuntimeError); else nothing."""
+    if isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)) or any(
+            s in str(e) for s in ("can't allocate memory", 'not enough memory')):
+        die(f"out of memory ({' '.join(str(e).split())[:120] or type(e).__name__}): lower {settings}")
+
+
+def check_fits(cfg, key, device, training=False):
+    """Refuse, before allocating them, cfg[key] rows that cannot fit: a float32 (rows, block_size, width)
+    is less than a forward pass holds, width a token's logits and embedding, or in training those
+    backward keeps (over eight embeddings a layer: the norms', attention's and the MLP's inputs)."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]   # ulimit -v, if one is set
+    have = (torch.cuda.get_device_properties(device).total_memory if device.startswith('cuda') else
+            min(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'), math.inf if limit < 0 else limit))
+    need = 4 * cfg[key] * cfg['block_size'] * ((8 * cfg['n_layer'] if training else 1) * cfg['n_embd'] + cfg['vocab_size'])
+    if need > have:
+        die(f"{key}={cfg[key]} asks for more than {need / 2**30:,.1f} GiB, and {device} has {have / 2**30:,.1f} GiB: "
+            "lower it")
 
 
 def build_model(model_args, ckpt=None):

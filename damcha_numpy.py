@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from configurator import configure   # the settings parser of every script; no torch
+from configurator import configure, die   # the settings parser of every script; no torch
 
 
 @dataclass
@@ -571,11 +571,11 @@ def numerical_gradient(f, x, eps=1e-6):
     return grad
 
 
-def gradcheck(config, params=None, idx=None, targets=None, seed=0, eps=1e-6):
+def gradcheck(config, params=None, idx=None, targets=None, seed=0, eps=1e-6, names=None):
     """Compare backward() with central differences of forward()'s loss, in float64.
     Returns {name: max |analytic - numeric| / (1e-8 + 1e-5 |numeric|)}; <= 1 everywhere passes.
     Without params, uses init_params with every entry moved by N(0, 0.3), so that the
-    generator's gradients are far from zero."""
+    generator's gradients are far from zero. names: check only these parameters (default: all)."""
     rng = np.random.default_rng(seed)
     if params is None:
         params = {k: v + rng.normal(0.0, 0.3, v.shape) for k, v in init_params(config, seed).items()}
@@ -587,8 +587,8 @@ def gradcheck(config, params=None, idx=None, targets=None, seed=0, eps=1e-6):
     grads = backward(params, config, cache)
     loss = lambda: forward(params, config, idx, targets)[1]
     report = {}
-    for name, value in params.items():
-        numeric = numerical_gradient(loss, value, eps)
+    for name in params if names is None else names:
+        numeric = numerical_gradient(loss, params[name], eps)
         report[name] = float(np.max(np.abs(grads[name] - numeric) / (1e-8 + 1e-5 * np.abs(numeric))))
     return report
 
@@ -641,7 +641,7 @@ def generate(params, config, idx, max_new_tokens, rng, temperature=0.8):
 def stop_if_not_finite(what, loss, it):
     """Weights past a non-finite loss are lost: stop at once, as train_char.py does."""
     if not math.isfinite(loss):
-        raise SystemExit(f"the {what} loss became {loss} at iter {it}; stopped; try a lower --lr")
+        die(f"the {what} loss became {loss} at iter {it}; stopped; try a lower --lr")
 
 
 def encode_start(start, vocab):
@@ -650,11 +650,11 @@ def encode_start(start, vocab):
     try:
         raw = np.frombuffer(start.encode("utf-8", errors="surrogateescape"), dtype=np.uint8)
     except UnicodeEncodeError as e:
-        raise SystemExit(f"--start cannot be written as bytes: {e.reason} at character {e.start}") from None
+        die(f"--start cannot be written as bytes: {e.reason} at character {e.start}")
     if not len(raw):
-        raise SystemExit("--start is empty: the sample after training needs at least one character to follow")
+        die("--start is empty: the sample after training needs at least one character to follow")
     if not np.isin(raw, vocab).all():
-        raise SystemExit(f"--start={start!r} has characters that are not in the corpus")
+        die(f"--start={start!r} has characters that are not in the corpus")
     return np.searchsorted(vocab, raw)[None].astype(np.int64)
 
 
@@ -668,25 +668,28 @@ def main(argv):
     settings, _ = configure(settings, argv, positive=("iters", "batch_size", "warmup", "eval_every", "lr"),
                             doc=__doc__)   # lr < 0 would climb the loss
     if not 0 <= settings["seed"] < 2**32:
-        raise SystemExit(f"--seed must be a whole number from 0 to 2**32 - 1, not {settings['seed']}")
+        die(f"--seed must be a whole number from 0 to 2**32 - 1, not {settings['seed']}")
     if not Path(settings["data"]).is_file():
-        raise SystemExit(f"--data={settings['data']}: no such file")
-    data, vocab = load_corpus(settings["data"])
+        die(f"--data={settings['data']}: no such file")
+    try:
+        data, vocab = load_corpus(settings["data"])
+    except OSError as e:   # a file that exists but cannot be read
+        die(f"--data={settings['data']}: cannot read it ({e.strerror or e})")
     if not len(data):
-        raise SystemExit(f"--data={settings['data']}: the file is empty")
+        die(f"--data={settings['data']}: the file is empty")
     prompt = encode_start(settings["start"], vocab)
     try:
         config = GPTConfig(**{f.name: settings[f.name] for f in fields(GPTConfig) if f.name in settings},
                            vocab_size=len(vocab))
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        die(str(e))
     if prompt.shape[1] > config.block_size:
-        raise SystemExit(f"--start is {prompt.shape[1]} bytes, longer than the model's block_size of "
+        die(f"--start is {prompt.shape[1]} bytes, longer than the model's block_size of "
                          f"{config.block_size}: it would not see the beginning")
     n = int(0.9 * len(data))
     train, val = data[:n], data[n:]
     if len(val) < config.block_size + 1:
-        raise SystemExit(f"--data={settings['data']}: its last 10% ({len(val)} characters) is shorter "
+        die(f"--data={settings['data']}: its last 10% ({len(val)} characters) is shorter "
                          f"than block_size + 1 ({config.block_size + 1}); use a longer file or a smaller block_size")
     rng = np.random.default_rng(settings["seed"])
     params = init_params(config, settings["seed"], dtype=np.float32)   # float32: twice as fast

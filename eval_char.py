@@ -82,7 +82,7 @@ def evaluate(cfg, given):
     ckpt, cfg, model, device, ctx = load_for_inference(cfg, given)
     if cfg['stride'] > cfg['block_size']:
         die(f"stride={cfg['stride']} is larger than block_size={cfg['block_size']}: tokens would go unscored")
-    check_fits(cfg, ('batch_size',), device)
+    check_fits(cfg, 'batch_size', device)
     if cfg['compile']:
         model = torch.compile(model)
     components, _ = load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'])
@@ -163,7 +163,7 @@ def main(argv):
         pipe_closed()
     except OSError as e:   # an unwritable plot_file, a full disk: the system's own one-line reason
         die(why(e) if e.errno in (errno.ENOSPC, errno.EFBIG) else e)
-    except (MemoryError, RuntimeError) as e:   # torch.OutOfMemoryError is a RuntimeError
+    except (MemoryError, RuntimeError) as e:   # CUDA's OutOfMemoryError is a RuntimeError
         out_of_memory(e, 'batch_size (eval) or block_size')
         raise
     except KeyboardInterrupt:

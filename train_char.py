@@ -255,7 +255,8 @@ def load_data(cfg, model_args, ckpt, p):
             die(f"vocab_size={vocab_size} is smaller than the dataset's {len(vocab)} symbols")
         model_args['vocab_size'] = cfg['vocab_size'] = vocab_size or len(vocab)
     check_lengths(components, ('train', 'val'), model_args['block_size'])
-    check_fits(cfg, ('batch_size', 'num_samples'), p.device)   # the rows of a micro-batch, and of the samples
+    check_fits(cfg, 'batch_size', p.device, training=True)   # an impossible size in one line, not out of memory
+    check_fits(cfg, 'num_samples', p.device)   # the samples after training are generated together
     return components, vocab, encode(cfg['start'], vocab, model_args['block_size'])
 
 
@@ -455,8 +456,8 @@ def main(argv):
         pipe_closed()
     except OSError as e:   # an unwritable out_dir, a full disk: the system's own one-line reason
         die(why(e) if e.errno in (errno.ENOSPC, errno.EFBIG) else e)
-    except (MemoryError, RuntimeError) as e:   # torch.OutOfMemoryError is a RuntimeError
-        out_of_memory(e, 'batch_size (and raise gradient_accumulation_steps), block_size, n_embd, n_layer or num_samples')
+    except (MemoryError, RuntimeError) as e:   # CUDA's OutOfMemoryError is a RuntimeError
+        out_of_memory(e, 'batch_size (raise gradient_accumulation_steps), block_size, n_embd, n_layer or num_samples')
         raise
     except KeyboardInterrupt as e:   # Ctrl-C, SIGTERM or SIGHUP before training started
         print("interrupted", file=sys.stderr)

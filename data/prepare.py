@@ -94,6 +94,8 @@ def write_splits(folder, digest, make, again=False):
         except BlockingIOError:
             print(f"waiting for another process preparing {folder}", file=sys.stderr)
             fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:   # a file system without flock (some NFS): each use's check still finds a mix
+            pass
         meta = None if again else read_meta(folder, digest)
         return meta if meta is not None else write_locked(folder, digest, *make())
     finally:
@@ -101,6 +103,7 @@ def write_splits(folder, digest, make, again=False):
 
 
 def write_locked(folder, digest, ids, vocab, percents, source):
+    """write_splits's work, its lock held: each split's SHA-256 goes into meta.json, for verified()."""
     sizes = [len(ids) * p // 100 for p in percents[:-1]]
     sizes.append(len(ids) - sum(sizes))
     splits, sha256, begin = {}, {}, 0
@@ -275,16 +278,17 @@ def verified(name, data_dir):
     against meta.json: a damaged split (or the splits of two preparations mixed) is prepared again
     from its source, with a note; where the source is gone, preparing says so in one line."""
     meta = prepare(name, data_dir)
-    for attempt in ('', ' again'):
+    for again in (False, True):
         splits = {s: np.memmap(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8, mode='r') if size
                   else np.zeros(0, dtype=np.uint8) for s, size in meta['splits'].items()}
         damage = '; '.join(f'{s}.bin {why}' for s, ids in splits.items()
                            if (why := split_damage(ids, meta['sha256'][s], len(meta['vocab']))))
         if not damage:
             return meta, splits
-        if attempt:
+        if again:
             die(f"{meta['dir']}: {damage}, though just prepared again from its source: is the disk failing?")
-        print(f"note: {meta['dir']}: {damage}; preparing it again from its source ({meta['source']})", file=sys.stderr)
+        print(f"note: {meta['dir']}: {damage}; preparing it again from its source ({meta['source']})",
+              file=sys.stderr)
         meta = prepare(name, data_dir, again=True)
 
 
@@ -313,7 +317,7 @@ def encode(start, vocab, block_size):
     if start.startswith('FILE:'):
         try:
             with open(start[5:], 'rb') as f:
-                data = f.read(block_size + 1)   # one token past the context tells a prompt too long; /dev/zero ends
+                data = f.read(block_size + 1)   # a token past the context tells one too long; /dev/zero ends
         except OSError as e:
             die(f"cannot read the prompt from {start[5:]}: {e}")
     elif start == '':

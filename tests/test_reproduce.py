@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 
+import train_char
 from lab import reproduce
 from common import sigint_default
 
@@ -32,6 +33,23 @@ def sweep_args(tmp_path, variants=VARIANTS):
             '--n_head=2', '--block_size=16', '--batch_size=1024', '--max_new_tokens=5', '--device=cpu',
             f"--variants={','.join(variants)}", f"--results={tmp_path / 'results'}",
             f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}"]
+
+
+@pytest.fixture(scope='module', autouse=True)
+def settings_resolved_once():
+    """reproduce.train_char_settings, a train_char.py --mode=config subprocess and most of the time of
+    a rerun that only summarizes, run once per distinct config files and flags in this module: what
+    it returns depends on them alone. A call that fails is not kept, and fails again when repeated."""
+    resolve, resolved = reproduce.train_char_settings, {}
+
+    def once(files, settings):
+        key = json.dumps([list(files), settings], sort_keys=True)
+        if key not in resolved:
+            resolved[key] = json.dumps(resolve(files, settings))
+        return json.loads(resolved[key])   # a fresh copy: a caller may change what it is given
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reproduce, 'train_char_settings', once)
+        yield
 
 
 @pytest.fixture
@@ -255,7 +273,8 @@ def test_study_2x2_lr_sweep_then_regime_i(tmp_path, in_process):
         assert lr['chosen_lr'][v] == float(min(scores, key=scores.get))
         run_eval = json.loads((tmp_path / 'results' / 'lr' / f'{v}-lr0.001.eval.json').read_text())
         assert run_eval['dataset'].endswith('shakespeare_train.txt') and run_eval['commit']
-    held_out = json.loads((tmp_path / 'data' / 'shakespeare_train' / 'meta.json').read_text())['splits']
+    [held_out_meta] = (tmp_path / 'data').glob('shakespeare_train-*/meta.json')   # a text file's folder: <stem>-<digest>
+    held_out = json.loads(held_out_meta.read_text())['splits']
     train = json.loads((tmp_path / 'data' / 'shakespeare' / 'meta.json').read_text())['splits']['train']
     assert sum(held_out.values()) == train   # the held-out slice is part of the training split
     in_process(args + ['--regime=i'])
@@ -366,12 +385,11 @@ def test_the_snapshot_run_resumes_with_the_snapshots_still_ahead(tmp_path):
     checkpoint were written by the first run, and the resume asks only for those of this
     max_iters still ahead, not for iterations it has passed, nor for the checkpoint's list, which
     was planned for another max_iters (train_char.py refuses a list past max_iters)."""
-    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     tiny = dict(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=4, eval_interval=3, eval_iters=1,
                 device='cpu', data_dir=str(tmp_path / 'data'), gen_width=8, lr_decay_iters=6, max_new_tokens=2)
     out = tmp_path / 'out'
-    subprocess.run([sys.executable, 'train_char.py', *reproduce.flags(tiny), f'--out_dir={out}', '--max_iters=3',
-                    '--snapshot_iters=0,1'], cwd=ROOT, env=env, check=True, capture_output=True)
+    # the interrupted run, in this process (the resume below is reproduce.py's subprocess)
+    train_char.main([*reproduce.flags(tiny), f'--out_dir={out}', '--max_iters=3', '--snapshot_iters=0,1'])
     ckpt = torch.load(out / 'ckpt.pt', weights_only=True)   # as if planned for 10 iterations, stopped at 3
     torch.save(dict(ckpt, config=dict(ckpt['config'], max_iters=10, snapshot_iters='0,1,10')), out / 'ckpt.pt')
     (tmp_path / 'results').mkdir()
