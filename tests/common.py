@@ -6,6 +6,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from damcha_torch import GPT, GPTConfig
+
 
 def rel_err(a, b):
     """max |a - b| / max |b|, in float64, of two tensors (any dtype, any device) or arrays."""
@@ -42,3 +44,20 @@ class MetricSizedOutputs(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.numel() == self.numel:
                 self.ops.append(func.overloadpacket.__name__)
         return out
+
+
+def check_attention_dropout_is_its_own_setting(fields, attn):
+    """With every nn.Dropout module (embedding, residual, MLP) switched off, a model of these
+    fields in training mode computes its eval-mode function when attn_dropout is 0, and another
+    one when it is not (tests/test_torch.py for the book's attentions, test_baselines.py for the lab's)."""
+    idx = torch.randint(fields["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(18))
+    outputs = {}
+    for attn_dropout in (0.0, 0.5):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**fields, attn=attn, dropout=0.5, attn_dropout=attn_dropout)).train()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.eval()
+        outputs[attn_dropout] = model(idx)[0], model.eval()(idx)[0]
+    assert torch.equal(*outputs[0.0])
+    assert not torch.allclose(*outputs[0.5])

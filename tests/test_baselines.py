@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from common import rel_err
+from common import check_attention_dropout_is_its_own_setting, rel_err
 import lab.variants  # noqa: F401  (registers "tha" and "dcmha")
 from damcha_torch import GPT, GPTConfig
 from lab.baselines import DCMHA_RANK, ComposedAttention, compose
@@ -116,19 +116,7 @@ def test_compiles_as_one_graph(attn):
 
 @pytest.mark.parametrize("attn", BASELINES)
 def test_attention_dropout_is_its_own_setting(attn):
-    """With every nn.Dropout module (embedding, residual, MLP) switched off, a model in training
-    mode computes its eval-mode function when attn_dropout is 0, and another one when it is not."""
-    idx = tokens(GPTConfig(**TINY), (2, 8), 18)
-    outputs = {}
-    for attn_dropout in (0.0, 0.5):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**TINY, attn=attn, dropout=0.5, attn_dropout=attn_dropout)).train()
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.eval()
-        outputs[attn_dropout] = model(idx)[0], model.eval()(idx)[0]
-    assert torch.equal(*outputs[0.0])
-    assert not torch.allclose(*outputs[0.5])
+    check_attention_dropout_is_its_own_setting(TINY, attn)
 
 
 @pytest.mark.parametrize("attn", BASELINES)

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import damcha_numpy
-from common import MetricSizedOutputs, rel_err
+from common import check_attention_dropout_is_its_own_setting, MetricSizedOutputs, rel_err
 from damcha_torch import PEAK_FLOPS, GPT, GPTConfig, rowsum
 from spec_reference import reference_forward, reference_random_params
 
@@ -388,19 +388,7 @@ def test_every_dropout_runs_in_training_and_none_in_eval(attn):
 
 @pytest.mark.parametrize("attn", ["damcha", "mha"])
 def test_attention_dropout_is_its_own_setting(attn):
-    """With every nn.Dropout module (embedding, residual, MLP) switched off, a model in training
-    mode computes its eval-mode function when attn_dropout is 0, and another one when it is not."""
-    idx = tokens(GPTConfig(**TINY), (2, 8), 18)
-    outputs = {}
-    for attn_dropout in (0.0, 0.5):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**TINY, attn=attn, dropout=0.5, attn_dropout=attn_dropout)).train()
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.eval()
-        outputs[attn_dropout] = model(idx)[0], model.eval()(idx)[0]
-    assert torch.equal(*outputs[0.0])
-    assert not torch.allclose(*outputs[0.5])
+    check_attention_dropout_is_its_own_setting(TINY, attn)
 
 
 def test_configure_optimizers_decays_matrices_only(capsys):
