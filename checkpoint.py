@@ -30,7 +30,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from configurator import die, exit_status, problem, to_json
+from configurator import die, exit_status, pipe_closed, problem, to_json
 from damcha_torch import GPT, GPTConfig
 
 HELD = []   # this process's lock on its training run's out_dir (lock_out_dir), while the run lasts
@@ -418,6 +418,25 @@ def out_of_memory(e, settings):
     if isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)) or any(
             s in str(e) for s in ("can't allocate memory", 'not enough memory')):
         die(f"out of memory ({' '.join(str(e).split())[:120] or type(e).__name__}): lower {settings}")
+
+
+@contextmanager
+def one_line_errors(memory_settings):
+    """What a script's main ends in besides its own checks: a closed pipe quietly, a system error
+    or memory running out (naming memory_settings, the settings to lower) in one line, Ctrl-C (or
+    a signal raised as it) with the shell's status."""
+    try:
+        yield
+    except BrokenPipeError:   # stdout's reader went away (| head): not an error
+        pipe_closed()
+    except OSError as e:   # an unwritable out_dir or plot_file, a full disk: the system's own reason
+        die(why(e) if e.errno in (errno.ENOSPC, errno.EFBIG) else e)
+    except (MemoryError, RuntimeError) as e:   # CUDA's OutOfMemoryError is a RuntimeError
+        out_of_memory(e, memory_settings)
+        raise
+    except KeyboardInterrupt as e:   # before a run's own handler, or where there is none
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(exit_status(e))
 
 
 def check_fits(cfg, key, device, training=False):

@@ -20,7 +20,6 @@ so with a stride below block_size every target past the first window sees at lea
 block_size - stride + 1 tokens of context.
 """
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -29,9 +28,9 @@ import sys
 import torch
 
 import damcha_torch
-from checkpoint import (autocast_for, build_model, check_fits, check_kernel, check_run_settings, out_of_memory,
-                        pick_device, read_jsonl, resume, why)
-from configurator import configure, die, pipe_closed, tolerant_stdout
+from checkpoint import (one_line_errors, autocast_for, build_model, check_fits, check_kernel, check_run_settings,
+                        pick_device, read_jsonl, resume)
+from configurator import configure, die, tolerant_stdout
 from damcha_torch import GPTConfig
 from data.prepare import check_lengths, decode, encode, load_dataset, split_loss
 
@@ -157,18 +156,8 @@ def main(argv):
     tolerant_stdout()
     cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__, described_in=(__file__, damcha_torch.__file__))
     check_run_settings(cfg, RANGES)
-    try:
+    with one_line_errors('batch_size (eval) or block_size'):
         dict(eval=evaluate, sample=sample, plot=plot)[cfg['mode']](cfg, given)
-    except BrokenPipeError:   # stdout's reader went away (| head): not an error
-        pipe_closed()
-    except OSError as e:   # an unwritable plot_file, a full disk: the system's own one-line reason
-        die(why(e) if e.errno in (errno.ENOSPC, errno.EFBIG) else e)
-    except (MemoryError, RuntimeError) as e:   # CUDA's OutOfMemoryError is a RuntimeError
-        out_of_memory(e, 'batch_size (eval) or block_size')
-        raise
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        raise SystemExit(130)
 
 
 if __name__ == '__main__':

@@ -19,7 +19,6 @@ checkpoint.py keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP stops a run (sta
 signal's number), saying where a resume starts. eval_char.py evaluates, samples from and plots the runs.
 """
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -34,10 +33,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import damcha_torch
-from checkpoint import (HELD, Diverged, append_jsonl, autocast_for, build_model, check_fits, check_kernel,
-                        check_run_settings, cut_logs, lock_out_dir, model_config, no_checkpoint_in, out_of_memory,
-                        pick_device, restore, resume, rng_states, save, stopped, unlock, why)
-from configurator import configure, die, exit_status, pipe_closed, signals_as_ctrl_c, tolerant_stdout
+from checkpoint import (one_line_errors, HELD, Diverged, append_jsonl, autocast_for, build_model, check_fits, check_kernel,
+                        check_run_settings, cut_logs, lock_out_dir, model_config, no_checkpoint_in,
+                        pick_device, restore, resume, rng_states, save, stopped, unlock)
+from configurator import configure, die, signals_as_ctrl_c, tolerant_stdout
 from damcha_torch import GPTConfig, get_lr
 from data.prepare import check_lengths, corpora, decode, encode, load_dataset
 
@@ -450,18 +449,9 @@ def main(argv):
     tolerant_stdout()
     cfg, given = parse_config(argv)
     try:
-        with signals_as_ctrl_c():
+        with one_line_errors('batch_size (raise gradient_accumulation_steps), block_size, n_embd, n_layer '
+                             'or num_samples'), signals_as_ctrl_c():
             train(cfg, given) if cfg['mode'] == 'train' else show_config(cfg, given)
-    except BrokenPipeError:   # stdout's reader went away (| head): not an error
-        pipe_closed()
-    except OSError as e:   # an unwritable out_dir, a full disk: the system's own one-line reason
-        die(why(e) if e.errno in (errno.ENOSPC, errno.EFBIG) else e)
-    except (MemoryError, RuntimeError) as e:   # CUDA's OutOfMemoryError is a RuntimeError
-        out_of_memory(e, 'batch_size (raise gradient_accumulation_steps), block_size, n_embd, n_layer or num_samples')
-        raise
-    except KeyboardInterrupt as e:   # Ctrl-C, SIGTERM or SIGHUP before training started
-        print("interrupted", file=sys.stderr)
-        raise SystemExit(exit_status(e))
     finally:   # the process ending releases out_dir's lock anyway; this is for main() called in-process
         unlock()
 
