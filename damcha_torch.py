@@ -1,23 +1,14 @@
 """
 damcha_torch.py: the DAMCHA GPT in PyTorch, in the shape of nanoGPT's model.py.
 
-DAMCHA (Data-Adaptive Mahalanobis Cross-Head Attention, arXiv 2610.13261) drops the query and
-key projections of multi-head attention. A small MLP, the metric generator f, reads the causal
-prefix mean c of every position and outputs a D x D cross-head metric M(c); head i compares
-its own slice x_i of the layer input through m_i = sum_j M_ij (RowSum). The off-diagonal
-blocks M_ij (j != i) are only added into m_i: head i never reads another head's slice, and the
-other heads' subspaces reach it through the generator, which reads all of c.
-
-The model is docs/model.md's; damcha_numpy.py is the NumPy reference with the same parameter
-names and layouts (tests/test_torch.py checks logits, loss and every gradient against it in
-float64). attn="mha" is the standard baseline; ATTENTION maps each attn name to its module.
-What this file adds to the reference is speed:
-  - gen_out="full" never builds the (B, T, D, D) tensor M: RowSum is linear, so it is applied
-    to the last generator layer's weights inside forward (exact, gradients included);
-  - softmax(q k^T) v goes through F.scaled_dot_product_attention (flash attention on CUDA), or
-    with kernel="triton" through the fused kernel of damcha_triton.py;
-  - with share=True the generator runs once per forward pass;
-  - generate() decodes incrementally from a cache of keys, values and context sums.
+DAMCHA (arXiv 2610.13261) drops the query and key projections of multi-head attention. A small
+MLP, the metric generator f, reads the causal prefix mean c of every position and outputs a
+D x D cross-head metric M(c); head i compares its own slice x_i of the layer input with itself
+through m_i = sum_j M_ij (RowSum). docs/model.md states the model; damcha_numpy.py is its NumPy
+reference with the same parameter names (tests/test_torch.py checks logits, loss and every
+gradient against it in float64). attn="mha" is the baseline. What this file adds is speed: RowSum
+applied to the generator's weights (M is never built), SDPA or damcha_triton.py's fused kernel,
+and a shared generator run once per pass.
 
     from damcha_torch import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=65, block_size=256))
@@ -53,16 +44,14 @@ class GPTConfig:
     mlp_hidden: int = 0      # the MLP's hidden width; 0: 4 * n_embd
 
     def __post_init__(self):
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "gen_depth", "gen_width"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         choices = dict(attn=tuple(ATTENTION), blocks=("all", "diag", "offdiag"), gen_out=("full", "folded"),
                        kernel=("torch", "triton"), metric_init=("normal", "identity"))
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, not {getattr(self, name)!r}")
-        checks = [
-            (self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
+        checks = [(getattr(self, k) >= 1, f"{k} must be at least 1, not {getattr(self, k)}") for k in
+                  ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "gen_depth", "gen_width")]
+        checks += [(getattr(self, k) in allowed, f"{k} must be one of {', '.join(map(repr, allowed))}, "
+                    f"not {getattr(self, k)!r}") for k, allowed in choices.items()]
+        checks += [
+            (self.n_head and self.n_embd % self.n_head == 0, f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
             (self.gen_out == "full" or self.blocks == "all", "blocks other than 'all' need gen_out='full'"),
             (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), not {self.dropout}"),
             (0.0 <= self.attn_dropout < 1.0, f"attn_dropout must be in [0, 1), not {self.attn_dropout}"),
@@ -71,23 +60,19 @@ class GPTConfig:
             (self.kernel == "torch" or self.attn_dropout == 0,
              "kernel='triton' has no attention-probability dropout: use attn_dropout=0 (dropout is fine)"),
             (self.metric_init == "normal" or self.bias or not self.adaptive,
-             "metric_init='identity' sets the generator's last bias: it needs bias=True"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+             "metric_init='identity' sets the generator's last bias: it needs bias=True")]
+        message = next((message for ok, message in checks if not ok), None)
+        if message:
+            raise ValueError(message)
 
 
 # ----------------------------------------------------------------------------------------------
 # The cross-head metric (Eqs. 3-4)
 
 def rowsum(M, config):
-    """Eq. 4, RowSum m_i = sum_j M_ij, over the blocks that config.blocks keeps.
-
-    M holds Eq. 3's D x D metric, row-major, with k numbers per entry: entry (a, b) of block M_ij
-    is row (i*dh + a)*D + j*dh + b of the generator's last weight (D*D, k), k its input width, or
-    of its bias (D*D,), or entry [i*dh + a, j*dh + b] of a static metric (D, D).
-    Returns (H, dh, dh, k), k = 1 for a bias or a static metric."""
+    """Eq. 4, RowSum m_i = sum_j M_ij over the blocks config.blocks keeps. M holds Eq. 3's D x D
+    metric row-major, k numbers an entry: the generator's last weight (D*D, k), its bias (D*D,)
+    or a static metric (D, D). Returns (H, dh, dh, k), k = 1 for a bias or a static metric."""
     H = config.n_head
     dh = config.n_embd // H
     M = M.reshape(H, dh, H, dh, -1)                                  # (i, a, j, b, k)
@@ -97,26 +82,16 @@ def rowsum(M, config):
     return diag if config.blocks == "diag" else M.sum(dim=2) - diag
 
 
-def prefix_mean(z, state=None):
-    """The causal context c_t of Eq. 3: c[b, t] = mean of z[b, s] over s <= t, so position t never sees a later
-    token. z (B, T, D) -> c (B, T, D). When decoding, `state` carries the sum and the count of
-    the earlier tokens, so that a new token costs O(1) here."""
-    total = torch.cumsum(z, dim=1)                                   # (B, T, D)
-    seen = 0
-    if state is not None:
-        if "zsum" in state:
-            total = total + state["zsum"].unsqueeze(1)
-            seen = state["n"]
-        state["zsum"], state["n"] = total[:, -1], seen + z.size(1)
-    count = torch.arange(seen + 1, seen + z.size(1) + 1, device=z.device, dtype=total.dtype)
-    return total / count.view(1, -1, 1)
+def prefix_mean(z):
+    """Eq. 3's causal context: c[b, t] = mean of z[b, s] over s <= t. z (B, T, D) -> c (B, T, D)."""
+    count = torch.arange(1, z.size(1) + 1, device=z.device, dtype=z.dtype)
+    return torch.cumsum(z, dim=1) / count.view(1, -1, 1)
 
 
 def add_metric(owner, config):
-    """Give `owner` (the GPT when shared, a layer's attention otherwise) its generator `gen`, f of
-    Eq. 3: P linear layers D -> w -> ... -> w -> out, out = D*D (full) or H*dh*dh (folded); or with
-    adaptive=False its static metric `metric`. The keys are gen.{p}.weight, gen.{p}.bias and
-    metric, as docs/model.md names them."""
+    """Give `owner` (the GPT when shared, else a layer's attention) the generator f of Eq. 3, keys
+    gen.{p}.weight and gen.{p}.bias: P linear layers D -> w -> ... -> w -> D*D (full) or H*dh*dh
+    (folded); or with adaptive=False a static metric, key `metric`."""
     D, H = config.n_embd, config.n_head
     dh = D // H
     if config.adaptive:
@@ -136,20 +111,19 @@ def generator_forward(gen, c, config):
     H, D = config.n_head, config.n_embd
     dh = D // H
     if config.gen_out == "full":
-        # Eq. 4 moved onto the weights: RowSum is linear, so it commutes with the last affine
-        # layer. Summing its (D*D, w) weight over the block columns j gives an (H*dh*dh, w)
-        # layer with the same outputs: M (B, T, D, D) is never built, and autograd sends
-        # the exact gradient back to every entry of the full weight.
+        # RowSum is linear, so it commutes with the last affine layer: summing its (D*D, w) weight
+        # over the blocks j gives an (H*dh*dh, w) layer with the same outputs. M (B, T, D, D) is
+        # never built, and autograd sends the exact gradient to every entry of the full weight.
         weight = rowsum(weight, config).reshape(H * dh * dh, -1)
         bias = None if bias is None else rowsum(bias, config).reshape(H * dh * dh)
     return F.linear(h, weight, bias).unflatten(-1, (H, dh, dh))     # (B, T, H, dh, dh)
 
 
-def compute_metric(owner, z, config, state=None):
-    """The effective metrics m of `owner`'s generator fed with z (B, T, D), the attention input u
-    of the layer that owns it: (B, T, H, dh, dh), or (H, dh, dh) for a static metric."""
+def compute_metric(owner, z, config):
+    """The metrics m of `owner`'s generator fed with z (B, T, D), the attention input u of the
+    layer that owns it: (B, T, H, dh, dh), or (H, dh, dh) for a static metric."""
     if config.adaptive:
-        return generator_forward(owner.gen, prefix_mean(z, state), config)   # Eqs. 3-4 on the context c
+        return generator_forward(owner.gen, prefix_mean(z), config)   # Eqs. 3-4 on the context c
     H = config.n_head
     dh = config.n_embd // H
     if config.gen_out == "full":
@@ -160,23 +134,10 @@ def compute_metric(owner, z, config, state=None):
 # ----------------------------------------------------------------------------------------------
 # Attention (Eqs. 5-8)
 
-def extend_cache(state, k, v):
-    """Decoding: append the new keys and values k, v (B, H, T, dh) to those of the earlier
-    positions kept in `state`, and return all of them, (B, H, t + T, dh). state None: no cache."""
-    if state is not None:
-        if "k" in state:
-            k = torch.cat([state["k"], k], dim=2)
-            v = torch.cat([state["v"], v], dim=2)
-        state["k"], state["v"] = k, v
-    return k, v
-
-
 class MetricQuery(torch.autograd.Function):
-    """Eq. 5 for per-token metrics: q_t = x_t m_t, x (B, T, H, dh) and m (B, T, H, dh, dh) of one
-    dtype -> (B, T, H, dh). The backward is autograd's for the batched matmul, but writes
-    dm_t = x_t^T dq_t as a broadcast multiply. With share=True every layer adds such a dm, as large
-    as m, to m's gradient: elementwise, torch.compile can fuse the L products into their sum and
-    store none of them; as matmul outputs they may all stay alive until the sum."""
+    """Eq. 5 for per-token metrics, q_t = x_t m_t: x (B, T, H, dh), m (B, T, H, dh, dh) -> (B, T, H, dh).
+    The backward writes dm_t = x_t^T dq_t as a broadcast multiply rather than a matmul: with a shared
+    m, torch.compile can then fuse the L layers' dm into their sum without storing each."""
 
     @staticmethod
     def forward(ctx, x, m):
@@ -194,15 +155,10 @@ class MetricQuery(torch.autograd.Function):
 class Attention(nn.Module):
     """What the attentions below share: Eqs. 5-8 from the queries, keys and values on."""
 
-    def attend(self, q, k, v, state):
-        """q, k, v (B, H, T, dh) of the T new positions; state: this layer's decoding cache, or None.
-        Returns the layer's output (B, T, D)."""
-        k, v = extend_cache(state, k, v)                             # (B, H, t + T, dh): the cached keys, then these
-        # Eqs. 5-7: softmax(q k^T / sqrt(dh)) v over s <= t. With a cache the T new queries are the
-        # last positions, so causal masking is only needed when there is no earlier token;
-        # GPT.forward feeds a single token once the cache holds any.
+    def attend(self, q, k, v):
+        """Eqs. 5-7, softmax(q k^T / sqrt(dh)) v over s <= t, then Eq. 8: q, k, v (B, H, T, dh) -> (B, T, D)."""
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.config.attn_dropout if self.training else 0.0,
-                                           is_causal=q.size(2) == k.size(2))                    # (B, H, T, dh)
+                                           is_causal=True)                                      # (B, H, T, dh)
         return self.project(y)
 
     def project(self, y):
@@ -222,19 +178,18 @@ class CausalSelfAttention(Attention):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.config = config
 
-    def forward(self, u, m=None, state=None):
-        """u (B, T, D), the normalised layer input; m unused (DAMCHA's metrics); state: this
-        layer's decoding cache or None. -> (B, T, D)."""
+    def forward(self, u, m=None):
+        """u (B, T, D), the normalised layer input; m unused (DAMCHA's metrics). -> (B, T, D)"""
         B, T, D = u.size()
         H = self.config.n_head
         q, k, v = (a.view(B, T, H, D // H).transpose(1, 2) for a in self.c_attn(u).split(D, dim=2))
-        return self.attend(q, k, v, state)
+        return self.attend(q, k, v)
 
 
 class DamchaAttention(Attention):
-    """DAMCHA attention, Eqs. 3-8: no query or key projections. Head i's query is q_i = x_i m_i,
-    its key x_i itself, x_i its slice of the layer input u; its value comes from c_v (Eq. 7).
-    A subclass may form x_i and the keys otherwise (add_projections and heads)."""
+    """DAMCHA attention, Eqs. 3-8: head i's query is q_i = x_i m_i and its key x_i itself, x_i its
+    slice of the layer input u; its value comes from c_v (Eq. 7). A subclass may form the query
+    inputs and keys otherwise (add_projections, heads)."""
 
     def __init__(self, config):
         super().__init__()
@@ -254,23 +209,22 @@ class DamchaAttention(Attention):
         x = u.view(B, T, self.config.n_head, D // self.config.n_head)   # head slices x_i: the keys themselves
         return x, x, self.c_v(u).view_as(x)
 
-    def forward(self, u, m=None, state=None):
+    def forward(self, u, m=None):
         """u (B, T, D), the normalised layer input; m: the stack's shared metrics, or None when this
-        layer owns its generator or static metric; state: its decoding cache or None. -> (B, T, D)."""
+        layer owns its generator or static metric. -> (B, T, D)"""
         if m is None:
-            m = compute_metric(self, u, self.config, state)          # Eqs. 3-4: (B, T, H, dh, dh), static (H, dh, dh)
+            m = compute_metric(self, u, self.config)          # Eqs. 3-4: (B, T, H, dh, dh), static (H, dh, dh)
         x, k, v = self.heads(u)                                      # (B, T, H, dh) each
-        # The kernel takes the x_i as the keys too, forms q = x m on chip from per-token metrics and
-        # never stores the scores. A static m makes q one small matmul: SDPA's flash attention is faster then.
-        if self.config.kernel == "triton" and state is None and m.dim() == 5:
+        # The fused kernel forms q = x m on chip and never stores the scores; for a static m,
+        # q is one small matmul and SDPA's flash attention is the faster path.
+        if self.config.kernel == "triton" and m.dim() == 5:
             from damcha_triton import damcha_attention               # imports triton only when asked
             return self.project(damcha_attention(x.transpose(1, 2), m, v.transpose(1, 2)))   # Eqs. 5-8
-        # Eq. 5: q_i = x_i m_i, for m (B, T, H, dh, dh) through MetricQuery, x cast to m's dtype as
-        # autocast's matmul would. A static m (H, dh, dh) is one matmul per head, so its gradient sums
-        # x^T dq over the positions inside the matmul, never per position (B, T, H, dh, dh).
+        # Eq. 5: q_i = x_i m_i (x in m's dtype, as autocast's matmul would); a static m (H, dh, dh)
+        # is one matmul per head, which sums the gradient x^T dq over positions inside the matmul.
         q = (MetricQuery.apply(x.to(m.dtype), m) if m.dim() == 5
              else torch.einsum("bthd,hde->bthe", x, m))
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), state)
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
 
 ATTENTION = {"damcha": DamchaAttention, "mha": CausalSelfAttention}   # GPTConfig.attn -> the module of h.{l}.attn
@@ -303,18 +257,17 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, m=None, state=None):
-        """x (B, T, D) -> (B, T, D). m: the stack's shared metrics, state: the decoding cache."""
-        x = x + self.attn(self.ln_1(x), m, state)                    # attention sees u = ln_1(x)
+    def forward(self, x, m=None):
+        """x (B, T, D) -> (B, T, D); m: the stack's shared metrics, if any."""
+        x = x + self.attn(self.ln_1(x), m)                    # attention sees u = ln_1(x)
         return x + self.mlp(self.ln_2(x))
 
 
 def init_weights(model, n_layer):
     """nanoGPT's initialisation, as damcha_numpy.init_params: N(0, 0.02) for every Linear and
-    Embedding weight, the generator and the static metric; zero biases; the residual projections
-    c_proj N(0, 0.02 / sqrt(2 n_layer)); a module's parameters beyond these in its init_extra().
-    metric_init="identity" then sets every static metric, or every generator's last bias, to the
-    metric whose every m_i is I (M_ii = I, M_ij = 0: RowSum gives 0 with blocks="offdiag")."""
+    Embedding weight and the static metric, zero biases, the residual projections c_proj
+    N(0, 0.02 / sqrt(2 n_layer)), then each module's init_extra() if it has one. metric_init="identity"
+    then sets every static metric, or every generator's last bias, so that every m_i is I."""
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -330,7 +283,7 @@ def init_weights(model, n_layer):
         if hasattr(module, "init_extra"):
             module.init_extra()
     config = model.config
-    if config.metric_init == "identity":
+    if config.metric_init == "identity":   # M_ii = I, M_ij = 0 (so RowSum gives 0 with blocks="offdiag")
         D, H = config.n_embd, config.n_head
         eye = torch.eye(D) if config.gen_out == "full" else torch.eye(D // H).expand(H, -1, -1)   # M (D, D) or m (H, dh, dh)
         with torch.no_grad():
@@ -340,9 +293,8 @@ def init_weights(model, n_layer):
 
 
 def configure_optimizers(model, weight_decay, learning_rate, betas, device_type):
-    """AdamW with weight decay for every tensor with >= 2 dims (weights, embeddings, static
-    metrics), none for biases and LayerNorm gains; fused on CUDA. Every PyTorch training loop
-    here uses it."""
+    """AdamW, weight decay on every tensor with >= 2 dims (weights, embeddings, static metrics),
+    none on biases and LayerNorm gains; fused on CUDA."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -354,20 +306,16 @@ def shares_metric(config):
     return config.share and issubclass(ATTENTION[config.attn], DamchaAttention)
 
 
-def stack_forward(owner, x, cache=None):
-    """owner.h, the stack of Blocks, on x (B, T, D) -> (B, T, D). A shared generator (owner.gen)
-    runs once here, on layer 0's attention input u; that LayerNorm is recomputed inside the
-    block, which is cheap next to the generator. GPT uses it, as can any stack of these Blocks."""
-    config, m = owner.config, None
-    if shares_metric(config):
-        m = compute_metric(owner, owner.h[0].ln_1(x), config, None if cache is None else cache["shared"])
-    for l, block in enumerate(owner.h):
-        x = block(x, m, None if cache is None else cache["layers"][l])
+def stack_forward(owner, x):
+    """owner.h, a stack of Blocks, on x (B, T, D) -> (B, T, D). A shared generator (owner.gen) runs
+    once, on layer 0's attention input u (that LayerNorm is recomputed in the block: cheap)."""
+    m = compute_metric(owner, owner.h[0].ln_1(x), owner.config) if shares_metric(owner.config) else None
+    for block in owner.h:
+        x = block(x, m)
     return x
 
 
-# Dense bfloat16 peak FLOP/s of one H100 / H200 SXM GPU (Hopper tensor cores): estimate_mfu's yardstick
-PEAK_FLOPS = 989e12
+PEAK_FLOPS = 989e12   # dense bfloat16 FLOP/s of one H100 / H200 SXM GPU: estimate_mfu's yardstick
 
 
 class GPT(nn.Module):
@@ -385,47 +333,31 @@ class GPT(nn.Module):
         init_weights(self, config.n_layer)
 
     def get_num_params(self, non_embedding=True):
-        """Parameter count; without the position embeddings by default, as nanoGPT. The token
-        embedding stays in: it is also the (tied) lm_head."""
+        """Without the position embeddings by default, as nanoGPT; wte stays: it is also the lm_head."""
         n_params = sum(p.numel() for p in self.parameters())
         return n_params - self.wpe.weight.numel() if non_embedding else n_params
 
-    def forward(self, idx, targets=None, cache=None):
-        """idx (B, T) int64 -> (logits (B, T, V), mean cross-entropy or None).
-        cache: generate()'s decoding state (see new_cache), or None for an ordinary pass."""
+    def forward(self, idx, targets=None):
+        """idx (B, T) int64 -> (logits (B, T, V), mean cross-entropy or None)."""
         B, T = idx.size()
-        start = 0 if cache is None else cache["pos"]
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
-        if start > 0 and T != 1:
-            raise ValueError("after the prompt, the cache takes one token at a time")
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))                 # (B, T, D)
-        x = stack_forward(self, x, cache)
+        x = stack_forward(self, x)
         logits = F.linear(self.ln_f(x), self.wte.weight)              # lm_head tied to wte (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-        if cache is not None:
-            cache["pos"] = start + T
         return logits, loss
 
-    def new_cache(self):
-        """An empty decoding state: the next position, and per layer a dict that fills with the
-        keys 'k' and values 'v' (B, H, t, dh) and, for a layer owning a generator, the running
-        sum 'zsum' (B, D) and count 'n' of its context; 'shared' holds those of a shared one.
-        Another attention may keep more of its own there."""
-        return {"pos": 0, "layers": [{} for _ in self.h], "shared": {}}
-
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """nanoGPT's method: configure_optimizers(self, ...) above."""
         return configure_optimizers(self, weight_decay, learning_rate, betas, device_type)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):
-        """Model FLOPs utilisation of fwdbwd_per_iter sequences in dt seconds, against PEAK_FLOPS:
-        nanoGPT's estimate (PaLM, appendix B), 6 FLOPs per parameter and token (2 forward, 4
-        backward) plus 12 L T D for the scores and values. It counts each parameter once a token,
-        so gen_out="full", whose last generator layer runs folded (H times fewer), reads high."""
+        """Model FLOPs utilisation of fwdbwd_per_iter sequences in dt seconds against PEAK_FLOPS, as
+        nanoGPT (PaLM, appendix B): 6 FLOPs per parameter and token plus 12 L T D for attention.
+        A parameter counts once a token, so gen_out="full" (its last layer runs folded) reads high."""
         cfg = self.config
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
         flops_per_token = 6 * self.get_num_params() + 12 * L * H * Q * T
@@ -433,22 +365,10 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Append max_new_tokens sampled tokens to idx (B, t). The prompt runs once in full and
-        fills a cache; each new token then costs O(t): its own generator context (from the
-        running sum), its query against the cached keys and values. Once the sequence outgrows
-        block_size the model conditions on the last block_size tokens, whose absolute positions
-        and prefix means all change with every step, so from then on it reruns the full pass."""
-        cache = None
+        """Append max_new_tokens sampled tokens to idx (B, t), each conditioned on the last block_size."""
         for _ in range(max_new_tokens):
-            if idx.size(1) > self.config.block_size:
-                logits, _ = self(idx[:, -self.config.block_size:])   # the window moved: no cache
-            elif cache is None:
-                cache = self.new_cache()
-                logits, _ = self(idx, cache=cache)                   # the prompt, filling the cache
-            else:
-                logits, _ = self(idx[:, -1:], cache=cache)           # the newest token only
-            # from the largest logit: near temperature 0 the others go to -inf (never inf - inf),
-            # leaving the most likely token; below 1e-30, which float32 rounds to 0, that holds already
+            logits, _ = self(idx[:, -self.config.block_size:])
+            # less the largest logit: near temperature 0 the others go to -inf (never inf - inf)
             logits = logits[:, -1, :]
             logits = (logits - logits.amax(-1, keepdim=True)) / max(temperature, 1e-30)
             if top_k is not None:
@@ -460,8 +380,7 @@ class GPT(nn.Module):
 
 
 def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
-    """The learning rate of iteration it: linear warm-up over warmup_iters, cosine decay to min_lr
-    at lr_decay_iters, then min_lr (nanoGPT's schedule; every PyTorch training loop here uses it)."""
+    """nanoGPT's schedule: linear warm-up over warmup_iters, cosine decay to min_lr at lr_decay_iters."""
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
     if it >= lr_decay_iters:

@@ -34,7 +34,6 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from damcha_torch import extend_cache
 
 DCMHA_RANK = 2             # R, the rank of DCMHA's query-wise and key-wise compositions
 
@@ -91,30 +90,27 @@ class ComposedAttention(nn.Module):
             nn.init.normal_(self.dyn_proj, mean=0.0, std=0.02)
             nn.init.zeros_(self.dyn_gate.weight)
 
-    def forward(self, u, m=None, state=None):
-        """u (B, T, D), the normalised layer input; m unused (DAMCHA's metrics); state: this
-        layer's decoding cache, or None. Returns y (B, T, D)."""
+    def forward(self, u, m=None):
+        """u (B, T, D), the normalised layer input; m unused (DAMCHA's metrics). Returns y (B, T, D)."""
         B, T, D = u.size()
         H = self.config.n_head
         q, k, v = (a.view(B, T, H, D // H).transpose(1, 2) for a in self.c_attn(u).split(D, dim=2))
-        k, v = extend_cache(state, k, v)                             # (B, H, S, dh)
-        y = self.composed_attention(q, k, v, u, state)               # (B, H, T, dh)
+        y = self.composed_attention(q, k, v, u)                      # (B, H, T, dh)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, D)))
 
-    def composed_attention(self, q, k, v, u, state):
-        """Softmax attention whose heads are mixed before and after the softmax. q (B, H, T, dh)
-        for the T new positions, k and v (B, H, S, dh) for all S, u (B, T, D). The mixing needs
-        the (B, H, T, S) logits and probabilities themselves."""
-        T, S = q.size(2), k.size(2)
-        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)   # query t is key S - T + t
-        logits = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))                     # (B, H, T, S)
+    def composed_attention(self, q, k, v, u):
+        """Softmax attention whose heads are mixed before and after the softmax. q, k, v (B, H, T, dh),
+        u (B, T, D). The mixing needs the (B, H, T, T) logits and probabilities themselves."""
+        T = q.size(2)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        logits = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))                     # (B, H, T, T)
         if self.config.attn == "tha":
             logits = logits + torch.einsum("nm,bmts->bnts", self.pre_mix, logits)
             probs = F.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
             # the masked probabilities are 0, and mixing heads at one (t, s) keeps them 0
             probs = probs + torch.einsum("nm,bmts->bnts", self.post_mix, probs)
         else:
-            pre, post = self.dynamic_weights(u, state)
+            pre, post = self.dynamic_weights(u)
             # the mask comes after the pre-softmax composition, and the masked probabilities are
             # zeroed after the post-softmax one, as in DCFormer
             probs = F.softmax(compose(logits, *pre).masked_fill(~causal, float("-inf")), dim=-1)
@@ -122,11 +118,10 @@ class ComposedAttention(nn.Module):
         probs = F.dropout(probs, self.config.attn_dropout, self.training)
         return probs @ v                                                             # (B, H, T, dh)
 
-    def dynamic_weights(self, u, state):
+    def dynamic_weights(self, u):
         """DCMHA's weights, computed from the block input u (B, T, D) by a small MLP, for the four
         compositions: w1 (RMS-normalised over the heads), w2 and the tanh gate d. Returns
-        (pre, post), each a pair (query, key) of compose's arguments. With a cache the weights of
-        the earlier positions come from it: they serve as keys to the new queries."""
+        (pre, post), each a pair (query, key) of compose's arguments."""
         B, T, _ = u.shape
         H, R = self.config.n_head, DCMHA_RANK
         hidden = F.gelu(self.dyn_fc(u), approximate="tanh").view(B, T, 4, -1)       # (B, T, 4, C)
@@ -134,12 +129,6 @@ class ComposedAttention(nn.Module):
         w1, w2 = w.unbind(3)                                                         # (B, T, 4, R, H)
         w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + 1e-6)
         d = torch.tanh(self.dyn_gate(u)).view(B, T, 4, H)
-        if state is not None:
-            if "dyn" in state:
-                w1, w2, d = (torch.cat([old, new], dim=1) for old, new in zip(state["dyn"], (w1, w2, d)))
-            state["dyn"] = w1, w2, d
-        # composition g: 0 and 1 before the softmax (query-wise, key-wise), 2 and 3 after it;
-        # the queries are the last T positions, the keys all of them
-        query = lambda g: tuple(a[:, -T:, g] for a in (w1, w2, d))
-        key = lambda g: tuple(a[:, :, g] for a in (w1, w2, d))
-        return (query(0), key(1)), (query(2), key(3))
+        # composition g: 0 and 1 before the softmax (query-wise, key-wise), 2 and 3 after it
+        weights = lambda g: tuple(a[:, :, g] for a in (w1, w2, d))
+        return (weights(0), weights(1)), (weights(2), weights(3))

@@ -266,12 +266,12 @@ def test_compiles_as_one_graph(variant):
 
 
 # ----------------------------------------------------------------------------------------------
-# Incremental generation
+# Generation
 
 @pytest.mark.parametrize("variant", KEY_VARIANTS, ids=KEY_IDS)
 def test_generate_logits_equal_full_forward(variant):
-    """Every step's logits equal a full forward over the last block_size tokens, before and
-    after the sequence outgrows block_size; the steps before that use the cache."""
+    """Every step's logits are a full forward's over the last block_size tokens, before and after
+    the sequence outgrows block_size."""
     config = GPTConfig(**TINY, **variant)
     model = model_from(config, reference_random_params(config, seed=9)).eval()
     steps = []
@@ -287,14 +287,13 @@ def test_generate_logits_equal_full_forward(variant):
         assert rel_err(logits, model(window)[0][:, -1]) < 1e-10, s
 
 
-def test_generate_decodes_one_token_at_a_time():
+def test_generate_conditions_on_the_last_block_size_tokens():
     config = GPTConfig(**TINY)
     model = GPT(config).eval()
     lengths = []
     model.register_forward_pre_hook(lambda mod, args: lengths.append(args[0].size(1)))
     model.generate(tokens(config, (1, 3), 11), max_new_tokens=8, top_k=3)
-    # the prompt, then single tokens against the cache up to block_size = 8, then full windows
-    assert lengths == [3, 1, 1, 1, 1, 1, 8, 8]
+    assert lengths == [3, 4, 5, 6, 7, 8, 8, 8]   # the sequence so far, then windows of block_size = 8
 
 
 def test_generate_from_a_prompt_longer_than_block_size():
@@ -307,7 +306,7 @@ def test_generate_from_a_prompt_longer_than_block_size():
 def fixed_logits(model, z):
     """Make model's forward return logits z at the last position, and at every other position
     logits that put all the mass on token 0."""
-    def forward(idx, targets=None, cache=None):
+    def forward(idx, targets=None):
         logits = torch.zeros(*idx.shape, len(z), dtype=z.dtype)
         logits[:, :, 0] = 50.0
         logits[:, -1] = z

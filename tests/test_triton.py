@@ -514,19 +514,19 @@ def test_kernel_triton_runs_the_kernel_for_per_token_metrics_only(monkeypatch):
                               gen_width=8, adaptive=adaptive)).to(DEVICE)
         model(torch.randint(11, (1, 8), device=DEVICE))
     assert metric_dims == [5]
-    # decoding keeps the torch path too (the kernel takes no cache of keys): neither the prompt that
-    # fills the cache nor a cached step calls it, and the steps' logits are a full forward's
-    model = GPT(GPTConfig(kernel="triton", vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16,
-                          gen_width=8)).to(DEVICE).eval()
+    # generate() runs the kernel at every length from the prompt's on, and samples what the torch path does
+    fields = dict(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16, gen_width=8)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(kernel="triton", **fields)).to(DEVICE).eval()
+    reference = GPT(GPTConfig(**fields)).to(DEVICE).eval()
+    reference.load_state_dict(model.state_dict())
     metric_dims.clear()
-    idx = torch.randint(11, (1, 8), device=DEVICE)
-    cache = model.new_cache()
-    with torch.no_grad():
-        steps = [model(idx[:, :5], cache=cache)[0][:, -1]] + [model(idx[:, t:t + 1], cache=cache)[0][:, -1] for t in range(5, 8)]
-        full = model(idx)[0]
-    assert metric_dims == [5]   # the full forward only
-    for t, logits in zip(range(4, 8), steps):
-        assert rel_err(logits, full[:, t]) < 1e-5, t
+    prompt = torch.randint(11, (2, 3), device=DEVICE)
+    outs = []
+    for m in (model, reference):
+        torch.manual_seed(1)
+        outs.append(m.generate(prompt, max_new_tokens=7, top_k=1))
+    assert metric_dims == [5] * 7 and torch.equal(*outs)
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(share=False), dict(adaptive=False), dict(gen_out="folded")],
