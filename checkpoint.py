@@ -1,5 +1,5 @@
 """
-checkpoint.py: a training run's folder, kept safe, and what a run rebuilds from its settings.
+checkpoint.py: a training run's folder kept safe, and the model, device and precision of a run.
 
     out_dir/ckpt.pt          weights, optimizer, settings, vocabulary, RNG states
     out_dir/log.jsonl        one line per evaluation: the curves
@@ -7,19 +7,13 @@ checkpoint.py: a training run's folder, kept safe, and what a run rebuilds from 
     out_dir/train.lock       flock'ed for the run's lifetime; names the run that holds it
 
 Every file is written whole or not at all (atomic_write): a kill or a full disk never costs the last
-good checkpoint. A checkpoint is verified (its archive's CRC-32s, then what it holds) with a
-one-line error for a missing, empty or damaged file; a resume cuts the logs back to it (cut_logs),
-dropping a torn last line with a note; a new run refuses an out_dir holding a checkpoint or logs.
-Then the model, the device, the precision and memory. train_char.py and eval_char.py import it.
+good checkpoint. A resume cuts the logs back to its checkpoint (cut_logs); a new run refuses an
+out_dir holding a checkpoint or logs. checks.py holds the longer refusals of bad input.
 """
-import errno
 import fcntl
-import importlib.util
 import json
-import math
 import os
 import re
-import resource
 import shlex
 import sys
 import time
@@ -30,8 +24,10 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from configurator import die, exit_status, pipe_closed, problem, to_json
-from damcha_torch import GPT, GPTConfig
+from checks import (check_contents, check_fit, check_optimizer_state, check_saved_settings, load_error,
+                    model_config, verify_archive, why)
+from configurator import die, exit_status, to_json
+from damcha_torch import GPT
 
 HELD = []   # this process's lock on its training run's out_dir (lock_out_dir), while the run lasts
 DIVERGED = 3   # train_char.py's exit status when a non-finite loss stopped the run (lab/reproduce.py reads it)
@@ -40,12 +36,9 @@ PARTIAL = r'.+\.damcha-partial-\d+\.tmp'   # atomic_write's temporary files: the
 
 @contextmanager
 def atomic_write(path):
-    """A binary file to write that appears at `path` only once complete: it is written beside it,
-    flushed to disk, then renamed over it. A crash leaves the old file or none, never half a file.
-    The temporary file is this process's own (two processes never write the same one), named so
-    that it cannot be mistaken for a user's (PARTIAL), and any failure (a full disk, Ctrl-C, an
-    error in the caller's block) removes it before passing on. Every save of the project goes
-    through here (prepared data, checkpoints, snapshots, logs)."""
+    """A binary file to write that appears at `path` only once complete: written beside it (this
+    process's own file, named PARTIAL), flushed to disk, renamed over it. A crash leaves the old
+    file or none; any failure removes the partial file before passing on. Every save goes through here."""
     tmp = f'{path}.damcha-partial-{os.getpid()}.tmp'
     try:
         with open(tmp, 'wb') as f:
@@ -60,9 +53,8 @@ def atomic_write(path):
 
 
 def save(obj, out_dir, name, saved_iter):
-    """torch.save into out_dir/name through atomic_write: on any failure the partial file is gone
-    and the previous one stays; the run ends with one line, which names the last good checkpoint
-    (saved_iter: the iteration of the ckpt.pt on disk, None if there is none yet)."""
+    """torch.save into out_dir/name through atomic_write; a failure ends the run with one line naming
+    the last good checkpoint (saved_iter: the iteration of the ckpt.pt on disk, None if none)."""
     path = os.path.join(out_dir, name)
     try:
         with atomic_write(path) as f:
@@ -82,8 +74,7 @@ class Diverged(Exception):
 
 def stopped(e, out_dir, iter_num, saved_iter):
     """(exit status, one line) of a run that Ctrl-C, SIGTERM or SIGHUP (exit_status) or a non-finite
-    loss (DIVERGED, which tells lab/reproduce.py's sweep that the run diverged rather than failed)
-    stopped at iter_num: where it stopped, and what is on disk."""
+    loss (DIVERGED) stopped at iter_num: where it stopped, and what is on disk."""
     if isinstance(e, KeyboardInterrupt):
         return exit_status(e), f"interrupted at iter {iter_num}: " + (
             f"a resume (--init_from=resume) starts from {out_dir}/ckpt.pt at iter {saved_iter}"
@@ -125,26 +116,9 @@ def restore(ckpt, optimizer, scaler, batches, rank, device):
                 torch.cuda.set_rng_state(cuda_state)
     except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as e:
         die(f"the checkpoint's optimizer or RNG state does not fit this run ({type(e).__name__}: {str(e)[:300]})")
-    wrong = [(tuple(t.shape), tuple(w.shape)) for g in optimizer.param_groups for w in g['params']
-             for k, t in optimizer.state.get(w, {}).items() if k != 'step' and t.shape != w.shape]
-    if wrong:   # Adam would fail on them at the first step, in a traceback
-        die(f"the checkpoint is damaged: its optimizer state has a moment of shape {wrong[0][0]} for a "
-            f"{wrong[0][1]} weight")
+    check_optimizer_state(optimizer)
     for group, setting in zip(optimizer.param_groups, settings):
         group.update(setting)
-
-
-def verify_archive(path):
-    """torch.save writes a zip archive with a CRC-32 of each entry, which torch.load never checks:
-    a changed byte (a flipped bit, a forged weight) would load in silence. One read of the file."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            bad = z.testzip()
-    except (zipfile.BadZipFile, EOFError, ValueError) as e:
-        bad = f'? ({e})'
-    if bad:
-        die(f"{path} is damaged: its entry {bad} fails its CRC-32 check (its bytes changed after it was "
-            "saved); it is left as it is: restore it from a copy, or start again in another --out_dir")
 
 
 def load_checkpoint(out_dir):
@@ -162,54 +136,29 @@ def load_checkpoint(out_dir):
     except Exception as e:   # torch.load raises many kinds for a damaged file; all mean the same
         die(f"{path} is not a readable checkpoint: damaged, or not written by train_char.py "
             f"({type(e).__name__}: {load_error(e)})")
-    needed = ('model', 'optimizer', 'scaler', 'model_args', 'config', 'vocab', 'iter_num', 'best_val_loss',
-              'tokens', 'elapsed', 'rng')
-    missing = [k for k in needed if k not in ckpt] if isinstance(ckpt, dict) else ['everything']
-    if missing or not all(isinstance(ckpt[k], dict) for k in ('model', 'model_args', 'config', 'optimizer')):
-        die(f"{path} is not a checkpoint of train_char.py (it lacks {', '.join(missing) or 'the right types'})")
-    numbers = dict(iter_num=int, tokens=int, best_val_loss=(int, float), elapsed=(int, float))
-    wrong = [k for k, kind in numbers.items() if type(ckpt[k]) is bool or not isinstance(ckpt[k], kind)
-             or not 0 <= ckpt[k] < math.inf]   # a negative iter_num would resume with negative learning rates
-    if wrong:
-        die(f"{path} is damaged: {', '.join(wrong)} should be numbers of at least 0, and finite")
-    vocab = ckpt['vocab']
-    if not (isinstance(vocab, list) and vocab and len(set(vocab)) == len(vocab)
-            and all(type(b) is int and 0 <= b < 256 for b in vocab)):
-        die(f"{path} is damaged: vocab should be a list of distinct byte values")
-    vocab_size = ckpt['model_args'].get('vocab_size')
-    if type(vocab_size) is int and len(vocab) > vocab_size:   # its type is checked with the other settings
-        die(f"{path} is damaged: its vocab has {len(vocab)} symbols, more than the model's vocab_size={vocab_size}")
-    # values no training writes: say so now, not as a diverging loss later
-    state = [s for s in ckpt['optimizer'].get('state', {}).values() if isinstance(s, dict)]
-    if not all(torch.isfinite(t).all() for t in [*ckpt['model'].values(), *(t for s in state for t in s.values())]
-               if isinstance(t, torch.Tensor) and t.is_floating_point()):
-        die(f"{path} is damaged: it holds weights or optimizer state that are not finite numbers")
-    if any(isinstance(s.get('exp_avg_sq'), torch.Tensor) and (s['exp_avg_sq'] < 0).any() for s in state):
-        die(f"{path} is damaged: its optimizer state holds a negative exp_avg_sq (Adam's mean squared gradient)")
+    check_contents(ckpt, path)
     return ckpt
 
 
 def resume(cfg, given, ranges, keep=('mode', 'init_from', 'out_dir')):
-    """(settings, model fields, checkpoint) of a run resumed, or evaluated, from out_dir/ckpt.pt:
-    its settings overridden by those given (from_checkpoint), refused now if its weights no longer
-    fit them."""
+    """(settings, model fields, checkpoint) of a run resumed, or evaluated, from out_dir/ckpt.pt: its
+    settings overridden by those given, refused now if its weights no longer fit them."""
     ckpt = load_checkpoint(cfg['out_dir'])
     cfg, model_args = from_checkpoint(ckpt, cfg, given, ranges, keep)
     check_fit(model_args, ckpt)
     return cfg, model_args, ckpt
 
 
-def load_error(e):
-    """torch.load's reason, without its advice to retry with weights_only=False or to allow the
-    file's Python objects: either runs code the file holds, no remedy for a damaged or untrusted
-    checkpoint."""
-    text = str(e)
-    if 'WeightsUnpickler error:' in text:
-        text = text.split('WeightsUnpickler error:')[1].split('Check the documentation')[0].split('. Please')[0]
-    else:
-        text = text.split('. ')[0]
-    text = ' '.join(text.split())[:200]
-    return text if 'weights_only' not in text else 'not a file of tensors and plain values'
+def from_checkpoint(ckpt, cfg, given, ranges, keep=('mode', 'init_from', 'out_dir')):
+    """(settings, model_args): the run's saved settings, overridden by those given now (and by keep,
+    never taken from a checkpoint); model fields too, as long as the weights still fit (say
+    --blocks=diag to ablate a trained model)."""
+    saved = {k: v for k, v in ckpt['config'].items() if k in cfg and k not in given and k not in keep}
+    fields = {k: v for k, v in ckpt['model_args'].items() if k in cfg and k not in given}   # the model's own copy
+    check_saved_settings(os.path.join(cfg['out_dir'], 'ckpt.pt'), cfg, saved, fields, ranges)
+    merged = cfg | saved
+    model_args = {k: merged[k] if k in given else v for k, v in ckpt['model_args'].items()}
+    return merged | model_args, model_args
 
 
 def append_jsonl(path, entries):
@@ -304,70 +253,8 @@ def unlock():
         HELD.pop().close()
 
 
-def why(e):
-    """An exception as a reason, naming a full disk or the file size limit (ulimit -f) where it, or the
-    error it came from, says so (torch.save reports either as a RuntimeError, 'unexpected pos')."""
-    cause, reasons = e, {errno.ENOSPC: 'the disk is full', errno.EFBIG: 'the file size limit (ulimit -f) was reached'}
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno in reasons:
-            return f"{reasons[cause.errno]} ({cause.strerror})"
-        cause = cause.__cause__ or cause.__context__
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-
-
 # ---------------------------------------------------------------------------------------------
 # A run's model, device and precision
-
-def settings_problem(cfg, ranges):
-    """What is wrong with a run's settings, in one line, or None; every script that runs a model
-    checks them alike, those given and those a checkpoint saved: ranges = (choices, positive,
-    non_negative) as configure() takes them; out_dir names a folder (several, comma-separated, for
-    a plot); the seed is one torch and numpy both take; Adam's rates, in a script that has them."""
-    wrong = problem(cfg, *ranges)
-    if wrong:
-        return wrong
-    if not [d for d in cfg['out_dir'].split(',') if d.strip()]:
-        return f"out_dir={cfg['out_dir']!r} names no folder"
-    if not 0 <= cfg['seed'] < 2**32:   # torch.manual_seed takes seed + rank, numpy up to 2**32 - 1
-        return f"seed={cfg['seed']} must be a whole number from 0 to 2**32 - 1"
-    for key in ('beta1', 'beta2'):   # Adam's moment decay rates
-        if key in cfg and not 0 <= cfg[key] < 1:
-            return f"{key}={cfg[key]} must be at least 0 and below 1, e.g. 0.9"
-    return None
-
-
-def check_run_settings(cfg, ranges):
-    wrong = settings_problem(cfg, ranges)
-    if wrong:
-        die(wrong)
-
-
-def from_checkpoint(ckpt, cfg, given, ranges, keep=('mode', 'init_from', 'out_dir')):
-    """The run's saved settings, overridden by those given now (and by keep, which are never
-    taken from a checkpoint); model fields too, as long as the weights still fit (say
-    --blocks=diag to ablate a trained model). The saved ones are checked as flags are (ranges:
-    settings_problem's). Returns (settings, model_args)."""
-    saved = {k: v for k, v in ckpt['config'].items() if k in cfg and k not in given and k not in keep}
-    fields = {k: v for k, v in ckpt['model_args'].items() if k in cfg and k not in given}   # the model's own copy
-    wrong = sorted({k for k, v in [*saved.items(), *fields.items()]
-                    if type(v) is not type(cfg[k]) and not (type(cfg[k]) is float and type(v) is int)})
-    if wrong:
-        die(f"{os.path.join(cfg['out_dir'], 'ckpt.pt')} is damaged: its saved settings {', '.join(wrong)} "
-            "are not of their setting's type")
-    merged = cfg | saved
-    model_args = {k: merged[k] if k in given else v for k, v in ckpt['model_args'].items()}
-    wrong = settings_problem(merged | model_args, ranges)   # those given passed already: a saved one fails
-    if wrong:
-        die(f"{os.path.join(cfg['out_dir'], 'ckpt.pt')} is damaged: a setting it saved fails its check ({wrong})")
-    return merged | model_args, model_args
-
-
-def model_config(model_args):
-    try:
-        return GPTConfig(**model_args)
-    except (ValueError, TypeError) as e:
-        die(f"invalid model: {e}")
-
 
 def pick_device(name, local_rank):
     if name == 'auto':
@@ -386,19 +273,6 @@ def pick_device(name, local_rank):
     return device
 
 
-def check_kernel(kernel, device, dtype):
-    # the fused kernel runs on CUDA, or on the CPU in Triton's interpreter (as the tests run it),
-    # which runs it in float32 (bfloat16 comes out wrong there; float16 trains on CUDA only)
-    if kernel != 'triton':
-        return
-    if importlib.util.find_spec('triton') is None:
-        die("kernel=triton needs the triton package (pip install triton); use --kernel=torch")
-    if not device.startswith('cuda') and os.environ.get('TRITON_INTERPRET') != '1':
-        die(f"kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 on a CPU), not {device}; use --kernel=torch")
-    if not device.startswith('cuda') and dtype != 'float32':
-        die(f"kernel=triton on a CPU runs in Triton's interpreter, which cannot train in {dtype}; use --dtype=float32")
-
-
 def autocast_for(device, dtype):
     """(dtype name, autocast context). Half precision runs under autocast, weights stay float32."""
     kind = device.split(':')[0]
@@ -412,46 +286,6 @@ def autocast_for(device, dtype):
     return dtype, torch.autocast(device_type=kind, dtype=getattr(torch, dtype))
 
 
-def out_of_memory(e, settings):
-    """One line naming the settings to lower, if e is memory running out (MemoryError, CUDA's
-    OutOfMemoryError, the CPU allocator's RuntimeError); else nothing."""
-    if isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)) or any(
-            s in str(e) for s in ("can't allocate memory", 'not enough memory')):
-        die(f"out of memory ({' '.join(str(e).split())[:120] or type(e).__name__}): lower {settings}")
-
-
-@contextmanager
-def one_line_errors(memory_settings):
-    """What a script's main ends in besides its own checks: a closed pipe quietly, a system error
-    or memory running out (naming memory_settings, the settings to lower) in one line, Ctrl-C (or
-    a signal raised as it) with the shell's status."""
-    try:
-        yield
-    except BrokenPipeError:   # stdout's reader went away (| head): not an error
-        pipe_closed()
-    except OSError as e:   # an unwritable out_dir or plot_file, a full disk: the system's own reason
-        die(why(e) if e.errno in (errno.ENOSPC, errno.EFBIG) else e)
-    except (MemoryError, RuntimeError) as e:   # CUDA's OutOfMemoryError is a RuntimeError
-        out_of_memory(e, memory_settings)
-        raise
-    except KeyboardInterrupt as e:   # before a run's own handler, or where there is none
-        print("interrupted", file=sys.stderr)
-        raise SystemExit(exit_status(e))
-
-
-def check_fits(cfg, key, device, training=False):
-    """Refuse, before allocating them, cfg[key] rows that cannot fit: a float32 (rows, block_size, width)
-    is less than a forward pass holds, width a token's logits and embedding, or in training those
-    backward keeps (over eight embeddings a layer: the norms', attention's and the MLP's inputs)."""
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]   # ulimit -v, if one is set
-    have = (torch.cuda.get_device_properties(device).total_memory if device.startswith('cuda') else
-            min(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'), math.inf if limit < 0 else limit))
-    need = 4 * cfg[key] * cfg['block_size'] * ((8 * cfg['n_layer'] if training else 1) * cfg['n_embd'] + cfg['vocab_size'])
-    if need > have:
-        die(f"{key}={cfg[key]} asks for more than {need / 2**30:,.1f} GiB, and {device} has {have / 2**30:,.1f} GiB: "
-            "lower it")
-
-
 def build_model(model_args, ckpt=None):
     """GPT(model_args), with the checkpoint's weights (which resume checked to fit)."""
     model = GPT(model_config(model_args))
@@ -461,21 +295,3 @@ def build_model(model_args, ckpt=None):
         except (RuntimeError, KeyError, TypeError) as e:   # not the names or shapes (check_fit): damage inside
             die(f"the checkpoint's weights do not load into the model ({str(e)[:300]})")
     return model
-
-
-def check_fit(model_args, ckpt):
-    """Whether the checkpoint's weights fit GPT(model_args): the same names and shapes, compared on
-    the meta device (no memory, next to no time), so that a resume whose settings no longer fit
-    is refused before the data are loaded or the run's settings printed."""
-    with torch.device('meta'):
-        want = {k: tuple(v.shape) for k, v in GPT(model_config(model_args)).state_dict().items()}
-    have = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in ckpt['model'].items()}
-    differ = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
-    saved = ckpt['model_args']
-    changed = [f"{k}={v!r} (the checkpoint's: {saved.get(k)!r})" for k, v in model_args.items() if saved.get(k) != v]
-    if differ and changed:   # settings given now, in a config file or a flag, override the saved ones
-        die(f"the checkpoint's weights do not fit the model with {', '.join(changed)}: settings given "
-            "in config files and flags override the checkpoint's; give the run's own, or none")
-    if differ:
-        die(f"the checkpoint's weights do not fit the model ({len(differ)} of its tensors, e.g. {differ[0]}: "
-            f"saved {have.get(differ[0])}, the model's {want.get(differ[0])})")

@@ -28,8 +28,8 @@ import sys
 import torch
 
 import damcha_torch
-from checkpoint import (one_line_errors, autocast_for, build_model, check_fits, check_kernel, check_run_settings,
-                        pick_device, read_jsonl, resume)
+from checkpoint import autocast_for, build_model, pick_device, read_jsonl, resume
+from checks import check_fits, check_kernel, check_run_settings, one_line_errors
 from configurator import configure, die, tolerant_stdout
 from damcha_torch import GPTConfig
 from data.prepare import check_lengths, decode, encode, load_dataset, split_loss

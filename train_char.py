@@ -10,13 +10,11 @@ train_char.py: train character-level DAMCHA and MHA GPTs, as nanoGPT's train.py 
     python train_char.py config/text8.py config/mha.py --mode=config   # the settings it would run, as JSON
     python train_char.py --help                              # every setting: its default, what it does
 
-Settings: the defaults below, then config files (plain assignments) and --key=value flags in the
-order given; a resumed run keeps its checkpoint's, but those given. data/prepare.py prepares the
-dataset on its first use, into data/<name>/ (a text file: data/<its stem>-<its path's digest>/)
-unless data_dir says otherwise. A run writes out_dir/ckpt.pt, log.jsonl (one line per evaluation)
-and train_log.jsonl (one line per iteration, which a resume reproduces exactly on CPU);
-checkpoint.py keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP stops a run (status 128 + the
-signal's number), saying where a resume starts. eval_char.py evaluates, samples from and plots the runs.
+Settings: the defaults below, then config files and --key=value flags in order; a resumed run keeps
+its checkpoint's, but those given. data/prepare.py prepares a dataset on first use, into data/<name>/.
+A run writes out_dir/ckpt.pt, log.jsonl (each evaluation) and train_log.jsonl (each iteration), and
+checkpoint.py keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP stops a run, saying where a resume
+starts. eval_char.py evaluates, samples from and plots the runs.
 """
 import dataclasses
 import json
@@ -33,9 +31,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import damcha_torch
-from checkpoint import (one_line_errors, HELD, Diverged, append_jsonl, autocast_for, build_model, check_fits, check_kernel,
-                        check_run_settings, cut_logs, lock_out_dir, model_config, no_checkpoint_in,
-                        pick_device, restore, resume, rng_states, save, stopped, unlock)
+from checkpoint import (HELD, Diverged, append_jsonl, autocast_for, build_model, cut_logs, lock_out_dir,
+                        no_checkpoint_in, pick_device, restore, resume, rng_states, save, stopped, unlock)
+from checks import check_fits, check_kernel, check_run_settings, model_config, one_line_errors
 from configurator import configure, die, signals_as_ctrl_c, tolerant_stdout
 from damcha_torch import GPTConfig, get_lr
 from data.prepare import check_lengths, corpora, decode, encode, load_dataset
@@ -114,8 +112,7 @@ def parse_config(argv):
 
 def plan(cfg, given):
     """(settings, model fields, checkpoint or None, snapshot iterations) of the run these arguments
-    ask for, checked before anything is downloaded or built. A resumed run's settings are its
-    checkpoint's, overridden by those given."""
+    ask for, checked before anything is downloaded or built."""
     ckpt = None
     if cfg['init_from'] == 'resume':
         cfg, model_args, ckpt = resume(cfg, given, RANGES)
@@ -132,30 +129,28 @@ def plan(cfg, given):
     except ValueError:
         die(f"snapshot_iters={cfg['snapshot_iters']!r}: give iterations as comma-separated whole numbers, "
             "e.g. 0,1000,5000")
-    whose = 'given' if ckpt is None or 'snapshot_iters' in given else "the checkpoint's"
     first = ckpt['iter_num'] if ckpt is not None and 'snapshot_iters' in given else 0   # those saved before stay
     outside = sorted(i for i in snapshots if not first <= i <= cfg['max_iters'])
     if outside:
+        whose = "the checkpoint's" if ckpt is not None and 'snapshot_iters' not in given else 'given'
         die(f"snapshot_iters ({whose}): {outside} outside this run's iterations {first}..{cfg['max_iters']}"
             + ("; --snapshot_iters= sets others, or none" if whose != 'given' else ''))
     return cfg, model_args, ckpt, snapshots
 
 
 def show_config(cfg, given):
-    """The settings a run of these arguments starts from, as JSON (lab/reproduce.py reads them),
-    refused as the run would refuse them."""
+    """The settings a run of these arguments starts from, as JSON, refused as the run would refuse them."""
     cfg, *_ = plan(cfg, given)
     corpora(cfg['dataset'], cfg['data_dir'])   # a dataset that is neither named nor a file
     print(json.dumps(cfg, indent=2))
 
 
 # ---------------------------------------------------------------------------------------------
-# Data: rows drawn from the splits that data/prepare.py's load_dataset maps into memory
+# Data: rows drawn from the splits that data/prepare.py maps into memory
 
 def get_batch(components, split, n, block_size, generator, device):
-    """n rows: inputs x and next-token targets y, (n, block_size) int64 on device. Each row's
-    corpus is drawn uniformly (mix: enwik8 or text8 with probability 1/2), then its start
-    uniformly over that split's windows of block_size + 1 tokens."""
+    """n rows: inputs x and next-token targets y, (n, block_size) int64 on device. Each row's corpus
+    is drawn uniformly (mix: enwik8 or text8), then its start uniformly over that split."""
     which = torch.randint(len(components), (n,), generator=generator)
     room = torch.tensor([len(c['splits'][split]) - block_size for c in components], dtype=torch.float64)
     starts = (torch.rand(n, generator=generator, dtype=torch.float64) * room[which]).long()
@@ -170,11 +165,9 @@ def get_batch(components, split, n, block_size, generator, device):
 
 @torch.no_grad()
 def estimate_loss(model, components, cfg, device, ctx):
-    """Mean loss over eval_iters batches per split and component. The batches are the same at
-    every evaluation (their own generator, reseeded), so curves are not noisy from resampling.
-    A batch is one iteration's rows, batch_size x gradient_accumulation_steps, scored in
-    micro-batches of batch_size: the estimate does not depend on how a run splits its rows
-    into micro-batches and processes."""
+    """Mean loss over eval_iters batches per split and component: the same batches at every evaluation
+    (their own generator, reseeded), each an iteration's rows, however a run splits them into
+    micro-batches and processes."""
     model.eval()
     out = {}
     rows, B = cfg['batch_size'] * cfg['gradient_accumulation_steps'], cfg['batch_size']
@@ -202,14 +195,13 @@ def estimate_loss(model, components, cfg, device, ctx):
 
 @dataclasses.dataclass
 class Process:
-    """Where this process trains: one of torchrun's, one per device, of which rank 0 (the master)
-    alone evaluates, logs and saves; or the only one. ctx: autocast, or nullcontext for float32."""
+    """This process: one of torchrun's (rank 0, the master, alone evaluates, logs and saves) or the only one."""
     ddp: bool
     rank: int
     world: int
     device: str
     dtype: str
-    ctx: object
+    ctx: object                          # autocast, or nullcontext for float32
     master: bool
 
 
@@ -260,8 +252,7 @@ def load_data(cfg, model_args, ckpt, p):
 
 
 def train(cfg, given):
-    """A training run, as nanoGPT's train.py: settings, processes, data, model and optimizer, then
-    the loop (train_loop)."""
+    """A training run, as nanoGPT's train.py: settings, processes, data, model and optimizer, the loop."""
     if cfg['init_from'] == 'scratch':
         no_checkpoint_in(cfg['out_dir'])
     elif os.environ.get('RANK', '0') == '0' and os.path.isdir(cfg['out_dir']):
@@ -381,11 +372,9 @@ def train_loop(cfg, p, components, model, raw_model, optimizer, scaler, batches,
 
 
 def train_step(model, optimizer, scaler, batches, components, lr, cfg, p):
-    """One iteration at learning rate lr; returns its loss (on the device, not synced). Every
-    process draws the same rows for the whole iteration (the same generator, seeded alike) and
-    takes its own micro-batches of them: rank r the micro-batches r*accum .. r*accum+accum-1.
-    So a run on N processes sees exactly the data of a run on one, and only rank 0's generator
-    state needs saving."""
+    """One iteration at learning rate lr; returns its loss (on the device, not synced). Every process
+    draws the iteration's rows (the same generator, seeded alike) and takes its own micro-batches of
+    them: a run on N processes sees the data of a run on one, and only rank 0's generator is saved."""
     B, accum = cfg['batch_size'], cfg['gradient_accumulation_steps'] // p.world
     for group in optimizer.param_groups:
         group['lr'] = lr
@@ -411,9 +400,8 @@ def train_step(model, optimizer, scaler, batches, components, lr, cfg, p):
 
 
 def log_losses(pending, seconds, cfg, p, raw_model, progress, bar):
-    """The pending iterations' (iter, lr, loss) to train_log.jsonl, and a printed line: one device
-    sync and one all-reduce per line, not per iteration. Every process checks the losses, so that
-    all stop together on a non-finite one."""
+    """The pending iterations' (iter, lr, loss) to train_log.jsonl and a printed line: one device sync
+    and all-reduce per line. Every process checks the losses, so that all stop on a non-finite one."""
     losses = torch.stack([loss for _, _, loss in pending])
     if p.ddp:
         dist.all_reduce(losses)

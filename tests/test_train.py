@@ -32,6 +32,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import checkpoint
+import checks
 import damcha_torch
 import data.prepare as prep
 import eval_char as ec
@@ -232,10 +233,10 @@ def test_the_interpreted_kernel_is_refused_in_16_bit(monkeypatch):
         pytest.skip("needs the triton package")
     monkeypatch.setenv('TRITON_INTERPRET', '1')
     with pytest.raises(SystemExit, match="which cannot train in bfloat16; use --dtype=float32"):
-        checkpoint.check_kernel('triton', 'cpu', 'bfloat16')
-    checkpoint.check_kernel('triton', 'cpu', 'float32')
+        checks.check_kernel('triton', 'cpu', 'bfloat16')
+    checks.check_kernel('triton', 'cpu', 'float32')
     for dtype in ('float32', 'bfloat16', 'float16'):
-        checkpoint.check_kernel('triton', 'cuda', dtype)
+        checks.check_kernel('triton', 'cuda', dtype)
 
 
 def test_config_mode_prints_the_composed_settings():
