@@ -48,6 +48,23 @@ def check_run_settings(cfg, ranges):
         die(wrong)
 
 
+def snapshot_iterations(cfg, given, ckpt):
+    """The iterations of snapshot_iters, refused if outside the run (for a resume given new ones,
+    from its checkpoint's iteration on: those saved before stay)."""
+    try:
+        snapshots = {int(t) for t in cfg['snapshot_iters'].split(',') if t.strip()}
+    except ValueError:
+        die(f"snapshot_iters={cfg['snapshot_iters']!r}: give iterations as comma-separated whole numbers, "
+            "e.g. 0,1000,5000")
+    first = ckpt['iter_num'] if ckpt is not None and 'snapshot_iters' in given else 0
+    outside = sorted(i for i in snapshots if not first <= i <= cfg['max_iters'])
+    if outside:
+        whose = "the checkpoint's" if ckpt is not None and 'snapshot_iters' not in given else 'given'
+        die(f"snapshot_iters ({whose}): {outside} outside this run's iterations {first}..{cfg['max_iters']}"
+            + ("; --snapshot_iters= sets others, or none" if whose != 'given' else ''))
+    return snapshots
+
+
 def model_config(model_args):
     try:
         return GPTConfig(**model_args)

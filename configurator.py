@@ -1,20 +1,15 @@
 """
-configurator.py: the one settings parser that every script uses (train_char, eval_char,
-data/prepare, damcha_numpy's training loop and the lab's scripts), in the manner of nanoGPT's
-configurator. It needs no more than the standard library.
-
-A script keeps its settings in a dict of defaults and calls configure(defaults, sys.argv[1:]).
-Each argument, in order, overrides what came before:
+configurator.py: the one settings parser of every script, in the manner of nanoGPT's configurator,
+standard library only. A script keeps its settings in a dict of defaults and calls
+configure(defaults, sys.argv[1:]); each argument, in order, overrides what came before:
     config/enwik8.py      a config file of plain assignments (key = value), run as Python
-    --key=value           one setting; the value is read as a Python literal and must have the
-                          type of the default (an int is accepted where a float is due)
+    --key=value           a Python literal of the default's type (an int where a float is due)
     --flag                short for --flag=True, for settings whose default is a bool
-    --help                the script's docstring, then every setting with its default and the
-                          comment beside that default in the script's source (describe)
-A setting that does not exist, a value of the wrong type or outside the allowed choices ends the
-program with one line on stderr (die), never a traceback. The scripts meet the shell alike here
-too: a closed pipe (pipe_closed), SIGTERM and SIGHUP taken as Ctrl-C (signals_as_ctrl_c), an
-output encoding that lacks a character (tolerant_stdout), JSON without NaN (to_json).
+    --help                the script's docstring, then every setting, its default and the comment
+                          beside that default in the script's source (describe)
+Bad input ends the program with one line on stderr (die), never a traceback. The scripts meet the
+shell alike here too: a closed pipe, SIGTERM and SIGHUP taken as Ctrl-C, an output encoding that
+lacks a character, JSON without NaN.
 """
 import ast
 import difflib
@@ -34,16 +29,15 @@ def die(message):
 
 
 def pipe_closed():
-    """stdout's reader went away (`... --mode=config | head`): not an error. stdout is pointed at
-    /dev/null, so the interpreter's last flush is quiet too, and the exit status is a process's
-    that SIGPIPE ended, as for any Unix tool in a pipe."""
+    """stdout's reader went away (`... | head`): not an error. stdout goes to /dev/null, so the last
+    flush is quiet too, and the exit status is that of a process SIGPIPE ended, as any Unix tool's."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     raise SystemExit(128 + 13)
 
 
 def tolerant_stdout():
-    """stdout writes '?' for a character its encoding lacks (PYTHONIOENCODING=ascii, a C locale)
-    rather than failing, say, a finished run on the sample it prints."""
+    """stdout writes '?' for a character its encoding lacks (a C locale) rather than failing, say, a
+    finished run on the sample it prints."""
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(errors='replace')
 
@@ -54,8 +48,8 @@ class Interrupted(KeyboardInterrupt):
 
 @contextmanager
 def signals_as_ctrl_c():
-    """SIGTERM (kill) and SIGHUP (a closed terminal) stop the block as Ctrl-C does: at a clean
-    point, saying where. A second signal while stopping is ignored rather than stopping the stop."""
+    """SIGTERM (kill) and SIGHUP (a closed terminal) stop the block as Ctrl-C does, saying where; a
+    second signal while stopping is ignored."""
     def stop(signum, frame):
         for s in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, signal.SIG_IGN)
@@ -74,8 +68,7 @@ def exit_status(e):
 
 
 def to_json(obj, **kwargs):
-    """obj as JSON text, a non-finite number written as null: JSON has no NaN or Infinity, which a
-    strict reader of the file would refuse."""
+    """obj as JSON, a non-finite number as null: JSON has no NaN, which a strict reader would refuse."""
     def finite(o):
         if isinstance(o, float) and not math.isfinite(o):
             return None
@@ -86,10 +79,9 @@ def to_json(obj, **kwargs):
 
 
 def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=None, described_in=None):
-    """defaults updated by each config file or --key=value of argv in order.
-    choices: {key: allowed values}; positive / non_negative: keys whose numbers are checked;
-    described_in: the source files whose comments describe the settings for --help (describe),
-    by default the script being run. Returns (config, the set of keys given)."""
+    """defaults updated by each config file or --key=value of argv in order; choices: {key: allowed
+    values}; positive / non_negative: keys whose numbers are checked; described_in: the source files
+    whose comments describe the settings for --help (default: the script). Returns (config, keys given)."""
     config, given = dict(defaults), set()
     for arg in argv:
         if arg in ('-h', '--help'):
@@ -128,8 +120,7 @@ def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=No
 
 def problem(config, choices=None, positive=(), non_negative=()):
     """What is wrong with config's values, in one line, or None: a value outside its choices, or a
-    number that is not finite, not positive or negative. configure() checks the settings given;
-    a resumed run checks the ones its checkpoint saved the same way."""
+    number that is not finite, not positive or negative."""
     for key, allowed in (choices or {}).items():
         if config[key] not in allowed:
             return f"{key} must be one of {', '.join(map(str, allowed))}, not {config[key]!r}"
@@ -142,10 +133,9 @@ def problem(config, choices=None, positive=(), non_negative=()):
 
 
 def describe(paths, names):
-    """{name: description} of the settings `names`: the comment beside each one's default in these
-    source files, `name=default,  # text` (a dict of defaults) or `name: type = default  # text` (a
-    dataclass field), with the comment lines aligned below it that go on with the text. The first
-    file, and in it the first line, that describes a name wins."""
+    """{name: description} of the settings `names`: the comment beside each default in these source
+    files, `name=default,  # text` or `name: type = default  # text`, with the comment lines aligned
+    below it that go on with the text. The first file, and line, that describes a name wins."""
     about = {}
     for path in paths:
         try:

@@ -33,7 +33,7 @@ from tqdm import tqdm
 import damcha_torch
 from checkpoint import (HELD, Diverged, append_jsonl, autocast_for, build_model, cut_logs, lock_out_dir,
                         no_checkpoint_in, pick_device, restore, resume, rng_states, save, stopped, unlock)
-from checks import check_fits, check_kernel, check_run_settings, model_config, one_line_errors
+from checks import check_fits, check_kernel, check_run_settings, model_config, one_line_errors, snapshot_iterations
 from configurator import configure, die, signals_as_ctrl_c, tolerant_stdout
 from damcha_torch import GPTConfig, get_lr
 from data.prepare import check_lengths, corpora, decode, encode, load_dataset
@@ -124,18 +124,7 @@ def plan(cfg, given):
         model_config(model_args | {'vocab_size': model_args['vocab_size'] or 1})   # fail before downloading
     if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:   # the decay would raise the rate
         die(f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}: give a min_lr at most the peak")
-    try:
-        snapshots = {int(t) for t in cfg['snapshot_iters'].split(',') if t.strip()}
-    except ValueError:
-        die(f"snapshot_iters={cfg['snapshot_iters']!r}: give iterations as comma-separated whole numbers, "
-            "e.g. 0,1000,5000")
-    first = ckpt['iter_num'] if ckpt is not None and 'snapshot_iters' in given else 0   # those saved before stay
-    outside = sorted(i for i in snapshots if not first <= i <= cfg['max_iters'])
-    if outside:
-        whose = "the checkpoint's" if ckpt is not None and 'snapshot_iters' not in given else 'given'
-        die(f"snapshot_iters ({whose}): {outside} outside this run's iterations {first}..{cfg['max_iters']}"
-            + ("; --snapshot_iters= sets others, or none" if whose != 'given' else ''))
-    return cfg, model_args, ckpt, snapshots
+    return cfg, model_args, ckpt, snapshot_iterations(cfg, given, ckpt)
 
 
 def show_config(cfg, given):
@@ -413,11 +402,9 @@ def log_losses(pending, seconds, cfg, p, raw_model, progress, bar):
     if p.master:
         append_jsonl(os.path.join(cfg['out_dir'], 'train_log.jsonl'),
                      [dict(iter=it, loss=loss, lr=lr) for (it, lr, _), loss in zip(pending, losses)])
-        dt = seconds / len(pending)
-        mfu = ''   # against a datacenter GPU's peak: meaningless elsewhere
-        if p.device.startswith('cuda'):
-            rows = cfg['batch_size'] * cfg['gradient_accumulation_steps'] // p.world   # this process's, in dt
-            mfu = f", mfu {raw_model.estimate_mfu(rows, dt):.2%}"
+        dt, rows = seconds / len(pending), cfg['batch_size'] * cfg['gradient_accumulation_steps'] // p.world
+        # against a datacenter GPU's peak: meaningless elsewhere
+        mfu = f", mfu {raw_model.estimate_mfu(rows, dt):.2%}" if p.device.startswith('cuda') else ''
         bar.write(f"iter {progress.iter_num}: loss {sum(losses) / len(losses):.4f}, lr {pending[-1][1]:.2e}, "
                   f"{dt * 1000:.1f} ms/iter, {tokens_per_iter(cfg) / dt:,.0f} tokens/s{mfu}")
 

@@ -422,6 +422,31 @@ def test_no_function_in_the_book_is_over_60_lines():
     assert not offences, f"functions of the book over {BOOK_FUNCTION_LINES} lines:\n" + "\n".join(offences)
 
 
+# The PyTorch model and its training, read as nanoGPT's model.py, train.py and configurator.py are
+# (713 lines in 3 files): the files a reader follows, and those the trainer calls by name and a
+# reader may leave closed, as nanoGPT's data/*/prepare.py.
+READING_PATH = {"damcha_torch.py": 400, "train_char.py": 440, "checkpoint.py": 300, "configurator.py": 200}
+READING_PATH_LINES = 1330
+OFF_THE_READING_PATH = {"data/prepare.py": "downloads and prepares the datasets",
+                        "checks.py": "the refusals of bad input, each called by name",
+                        "damcha_triton.py": "the fused kernel, imported only for kernel='triton'"}
+
+
+def test_the_reading_path_stays_at_nanogpts_size():
+    lines = {path: len(read_text(path).splitlines()) for path in READING_PATH}
+    over = {path: n for path, n in lines.items() if n > READING_PATH[path]}
+    assert not over and sum(lines.values()) <= READING_PATH_LINES, (lines, sum(lines.values()))
+    # every book module the trainer reaches is on the path or named off it
+    modules = repository_modules(tracked_files())
+    seen, todo = set(), ["train_char"]
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        todo += [n for _, n in imported_names(read_text(modules[name]), name) if n in modules and n not in seen]
+    reached = {modules[n] for n in seen if not modules[n].endswith("__init__.py")}
+    assert reached <= set(READING_PATH) | set(OFF_THE_READING_PATH), sorted(reached)
+
+
 def test_readme_is_at_most_280_lines():
     n = len(read_text("README.md").splitlines())
     assert n <= README_LINES, f"README.md has {n} lines, more than {README_LINES}: records belong in results/ and docs/"
