@@ -620,6 +620,49 @@ def study_contrasts(evals, seeds):
     return out
 
 
+# the 2x2 of passes x dropout: the regime of each cell, (passes, dropout)
+CELLS = dict(i=('one pass', 'no dropout'), iv=('one pass', 'dropout 0.1'), iii=('three passes', 'no dropout'),
+             ii=('three passes', 'dropout 0.1'))
+
+
+def factor_effects(root, seeds):
+    """What passes (about 3 against 1) and dropout (0.1 against 0) do to each variant's difference
+    to MHA, d_r = variant - mha at the same seed in regime r. Per seed: passes = (d_iii + d_ii - d_i -
+    d_iv) / 2, dropout = (d_iv + d_ii - d_i - d_iii) / 2, interaction = (d_ii - d_iv) - (d_iii - d_i)
+    (how much dropout changes the effect of passes), each with its 95% t interval over the seeds that
+    finished all eight runs. The regimes' runs are independent, so joining them by seed number
+    correlates nothing: each contrast's spread over seeds is its own. Writes factors.md and
+    factors.json under root once a seed has every cell."""
+    evals = {r: read_evals(os.path.join(root, r)) for r in CELLS}
+    rows = []
+    for name in ('proj', 'damcha'):
+        runs = lambda s: [f'{v}-seed{s}' for v in (name, 'mha')]
+        done = [s for s in range(1, seeds + 1) if all(run in evals[r] for r in CELLS for run in runs(s))]
+        if not done:
+            continue
+        d = {r: [evals[r][f'{name}-seed{s}']['val_bpc'] - evals[r][f'mha-seed{s}']['val_bpc'] for s in done] for r in CELLS}
+        effects = dict(passes=[(d['iii'][k] + d['ii'][k] - d['i'][k] - d['iv'][k]) / 2 for k in range(len(done))],
+                       dropout=[(d['iv'][k] + d['ii'][k] - d['i'][k] - d['iii'][k]) / 2 for k in range(len(done))],
+                       interaction=[(d['ii'][k] - d['iv'][k]) - (d['iii'][k] - d['i'][k]) for k in range(len(done))])
+        rows.append(dict(variant=name, seeds=done, cells={r: interval(d[r]) for r in CELLS},
+                         effects={k: interval(v) for k, v in effects.items()}))
+    if not rows:
+        return
+    write_study_summary(os.path.join(root, 'factors.json'), dict(cells=CELLS, rows=rows, commit=git_commit()))
+    lines = ['Passes x dropout: whole-val bpc of each variant minus MHA\'s at the same seed, in each cell '
+             '(regime), and the effect of each factor on that difference, with 95% t intervals over the '
+             'seeds that finished every cell. Negative: the factor helps the variant against MHA.', '',
+             '| variant | seeds | ' + ' | '.join(f'{p}, {q} ({r})' for r, (p, q) in CELLS.items())
+             + ' | passes | dropout | interaction |', '|---|---|' + '---|' * (len(CELLS) + 3)]
+    lines += [f"| {row['variant']} - mha | {len(row['seeds'])} | "
+              + ' | '.join(fmt_interval(*row['cells'][r]) for r in CELLS) + ' | '
+              + ' | '.join(fmt_interval(*row['effects'][k]) for k in ('passes', 'dropout', 'interaction')) + ' |'
+              for row in rows]
+    with open(os.path.join(root, 'factors.md'), 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    print('\n'.join(lines))
+
+
 def study(opts, passthrough):
     """The 2x2 study: --regime=lr sweeps the learning rates, i and ii train every variant at its
     chosen rate for --seeds seeds; results in <results>/<regime>/, checkpoints in <out_root>/<regime>/."""
@@ -676,6 +719,7 @@ def study(opts, passthrough):
         lr_summary(summarized, grid, params, results, commit)
     else:
         seed_summary(summarized, opts['seeds'], runs, params, rates, results, regime, commit)
+        factor_effects(root, opts['seeds'])
 
 
 def main(argv):
