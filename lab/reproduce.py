@@ -50,6 +50,8 @@ model, also evaluated with blocks=diag and offdiag).
     python lab/reproduce.py --study=2x2 --regime=ii      # 6,000 iters (~3 passes) with dropout 0.1, 5 seeds
     python lab/reproduce.py --study=2x2 --regime=iii --variants=mha,proj,damcha   # 6,000 iters, no dropout
     python lab/reproduce.py --study=2x2 --regime=iv --variants=mha,proj,damcha    # 1,860 iters, dropout 0.1
+    python lab/reproduce.py --study=2x2 --regime=lr6000 --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3,8e-3
+                                                       # the LR sweep at regime ii's 6,000 iterations
 Results under results/study2x2/<regime>/ (each eval JSON records the commit), checkpoints under
 out-study/2x2/<regime>/; finished runs are skipped, so each command resumes, and rerun on finished
 results it only rewrites summary.md / summary.json (paired differences to MHA with 95% t intervals
@@ -99,10 +101,12 @@ STUDY = dict(
 # regimes: "lr" the learning-rate sweep (one seed per rate, scored on a held-out slice of the training
 # split), "i" one pass over the training split (1,429,444 characters / (12 x 64) = 1,861 iterations),
 # "ii" about three passes with dropout 0.1; "iii" and "iv" complete the 2x2 of passes x dropout:
-# three passes without dropout, one pass with it
+# three passes without dropout, one pass with it; "lr6000" the sweep again at regime ii's schedule
 REGIMES = dict(lr=dict(max_iters=1860, eval_interval=100), i=dict(max_iters=1860, eval_interval=100),
                ii=dict(max_iters=6000, eval_interval=250, dropout=0.1), iii=dict(max_iters=6000, eval_interval=250),
-               iv=dict(max_iters=1860, eval_interval=100, dropout=0.1))
+               iv=dict(max_iters=1860, eval_interval=100, dropout=0.1),
+               lr6000=dict(max_iters=6000, eval_interval=250, dropout=0.1))
+SWEEPS = ('lr', 'lr6000')   # the regimes that sweep the rates; every other one trains at the rates "lr" chose
 # the run named by --snapshot also keeps its weights at these fractions of max_iters, in
 # <results>/snapshots/<run>/: notebooks/04 plots its learned metric over training from them
 SNAPSHOT_AT = (0, 0.025, 0.1, 0.3, 1)
@@ -170,7 +174,7 @@ def parse_options(argv):
             die(f"unknown variant {v!r}; the variants are {', '.join(table)}")
     if not any(opts['variants'].split(',')):   # nothing to run would still rewrite the summary
         die(f"variants names no variant; the variants are {', '.join(table)}")
-    if opts['study'] and opts['regime'] == 'lr':
+    if opts['study'] and opts['regime'] in SWEEPS:
         if opts['dataset'] != 'shakespeare':
             die("the learning-rate sweep scores a held-out slice of the bundled corpus: it takes no --dataset")
         try:
@@ -182,7 +186,7 @@ def parse_options(argv):
         opts['lr_grid'] = sorted(grid)   # parsed once, here
     if 'snapshot' in given and opts['snapshot']:   # a name that matches no run would keep no snapshots
         names = [v for v in opts['variants'].split(',') if v]
-        tags = ([f'lr{lr:g}' for lr in opts['lr_grid']] if opts['study'] and opts['regime'] == 'lr'
+        tags = ([f'lr{lr:g}' for lr in opts['lr_grid']] if opts['study'] and opts['regime'] in SWEEPS
                 else [f'seed{s}' for s in range(1, opts['seeds'] + 1)])
         if opts['snapshot'] not in {f'{v}-{t}' for v in names for t in tags}:
             die(f"snapshot={opts['snapshot']!r} names no run of these settings (runs are named like "
@@ -675,7 +679,7 @@ def study(opts, passthrough):
     results = os.path.join(root, regime)
     commit = git_commit()
     seeds, grid = range(1, opts['seeds'] + 1), opts['lr_grid']
-    if regime == 'lr':
+    if regime in SWEEPS:
         dataset = training_split_file(out_root, passthrough.get('data_dir', ''))
         vocab_size = len(load_dataset(opts['dataset'], passthrough.get('data_dir', ''))[1])
         jobs_of = lambda names: [(f'{n}-lr{lr:g}', n, dict(learning_rate=lr, min_lr=lr / 10, seed=1))
@@ -702,11 +706,11 @@ def study(opts, passthrough):
         if skip_finished(run, os.path.join(results, run + '.eval.json'), planned(name, extra)):
             continue
         t0 = time.time()
-        blocks = ('diag', 'offdiag') if regime != 'lr' and settings.get('gen_out') == 'full' else ()
+        blocks = ('diag', 'offdiag') if regime not in SWEEPS and settings.get('gen_out') == 'full' else ()
         result = train_and_evaluate(run, os.path.join(out_root, run), (), settings, cfg['max_iters'],
                                     opts, results, f'{params[name]:,} parameters', blocks,
                                     dict(commit=commit, variant=name, params=params[name], **extra),
-                                    may_diverge=regime == 'lr')
+                                    may_diverge=regime in SWEEPS)
         print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}", flush=True)
     summarized = [v for v in STUDY if v in variants or complete(v)]   # looked up now, after training
     if summarized != variants:
@@ -715,7 +719,7 @@ def study(opts, passthrough):
     for run, name, extra in jobs_of(others):
         if os.path.exists(os.path.join(results, run + '.eval.json')):
             ran_as_planned(run, os.path.join(results, run + '.eval.json'), planned(name, extra))
-    if regime == 'lr':
+    if regime in SWEEPS:
         lr_summary(summarized, grid, params, results, commit)
     else:
         seed_summary(summarized, opts['seeds'], runs, params, rates, results, regime, commit)
