@@ -1,6 +1,11 @@
 """Helpers shared by the tests."""
+import contextlib
 import hashlib
+import io
 import signal
+import subprocess
+import sys
+import types
 
 import numpy as np
 import torch
@@ -61,3 +66,43 @@ def check_attention_dropout_is_its_own_setting(fields, attn):
         outputs[attn_dropout] = model(idx)[0], model.eval()(idx)[0]
     assert torch.equal(*outputs[0.0])
     assert not torch.allclose(*outputs[0.5])
+
+
+def lab_runs_in_process(monkeypatch):
+    """lab/reproduce.py's commands `python lab/train.py ARGS` and `python lab/eval.py ARGS` (its
+    training runs, their evaluations, its --mode=config calls) run as train_char.main(ARGS) and
+    eval_char.main(ARGS) in this process, with lab.variants imported as those two files import it:
+    the same settings, checkpoints and printed lines, and the exit status a process would have, without
+    a torch import per run. Other commands (git) still run. For the tests of what reproduce.py does
+    with its runs; tests/test_reproduce.py's test_tiny_sweep_and_rerun and tests/test_integrity.py run
+    them as the processes they are."""
+    import lab.variants  # noqa: F401  (registers the lab's attentions)
+    from lab import reproduce
+    import eval_char
+    import train_char
+    mains = {reproduce.TRAIN_CHAR: train_char.main, reproduce.EVAL_CHAR: eval_char.main}
+
+    def status(main, argv):
+        try:
+            main(argv)
+        except SystemExit as e:   # as Python ends a process on it: a message goes to stderr, with status 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            return 1 if isinstance(e.code, str) else e.code or 0
+        return 0
+
+    def run(cmd, **kwargs):   # subprocess.run, for the two scripts: stdout and stderr captured when piped
+        if cmd[:1] != [sys.executable] or cmd[1] not in mains:
+            return subprocess.run(cmd, **kwargs)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.ExitStack() as piped:
+            if kwargs.get('stdout') == subprocess.PIPE:
+                piped.enter_context(contextlib.redirect_stdout(out))
+            if kwargs.get('stderr') == subprocess.PIPE:
+                piped.enter_context(contextlib.redirect_stderr(err))
+            returncode = status(mains[cmd[1]], cmd[2:])
+        return subprocess.CompletedProcess(cmd, returncode, out.getvalue(), err.getvalue())
+
+    monkeypatch.delenv('TRITON_INTERPRET', raising=False)   # as the processes run: tests/test_triton.py may set it
+    monkeypatch.setattr(reproduce, 'subprocess', types.SimpleNamespace(run=run, PIPE=subprocess.PIPE))
+    monkeypatch.setattr(reproduce, 'run_to_the_end', lambda cmd: run(cmd).returncode)

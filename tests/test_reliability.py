@@ -9,7 +9,9 @@ settings that reach a library underneath (one line, never a traceback).
 The models are train_char.py's tiny test model (one layer, 32 wide); the runs that are not the
 point of a test run in-process (tc.main), the ones that are run as subprocesses.
 """
+import contextlib
 import glob
+import io
 import json
 import os
 import pickle
@@ -63,10 +65,16 @@ def one_line_error(result, words):
 
 
 def fails(*argv, main=tc.main):
-    with pytest.raises(SystemExit) as e:
+    """one_line_error's checks, in this process: main(argv) ends in a SystemExit whose message is one
+    'error: ' line (which Python prints as the process's last line, with exit status 1), and prints
+    no traceback before it. Returns the line."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
         main([str(a) for a in argv])
-    assert isinstance(e.value.code, str) and '\n' not in e.value.code, e.value.code
-    return e.value.code
+    message = e.value.code
+    assert isinstance(message, str) and message.startswith('error: ') and '\n' not in message, message
+    assert 'Traceback' not in err.getvalue(), err.getvalue()[-2000:]
+    return message
 
 
 def iters(path):
@@ -89,8 +97,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_history(tmp_path, data_dir)
     proc.wait()
     saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
     assert saved == 20 and max(iters(out / 'train_log.jsonl')) >= saved   # history past the checkpoint
-    result = cli(f'--out_dir={out}', '--init_from=resume')
-    assert result.returncode == 0, result.stderr[-2000:]
+    tc.main([f'--out_dir={out}', '--init_from=resume'])
     assert iters(out / 'train_log.jsonl') == list(range(40))
     assert read_jsonl(out / 'train_log.jsonl') == read_jsonl(tmp_path / 'whole' / 'train_log.jsonl')
     assert iters(out / 'log.jsonl') == [0, 20, 40]
@@ -132,8 +139,7 @@ def test_sigkill_inside_a_save_leaves_the_last_checkpoint_and_a_resume_the_whole
     assert len(half) == 1 and 0 < os.path.getsize(half[0]) < os.path.getsize(tmp_path / 'whole' / 'ckpt.pt') * 0.6
     assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 20
     assert iters(out / 'log.jsonl') == [0, 20, 40]   # the evaluation past the checkpoint
-    result = cli(f'--out_dir={out}', '--init_from=resume')
-    assert result.returncode == 0, result.stderr[-2000:]
+    tc.main([f'--out_dir={out}', '--init_from=resume'])
     assert not glob.glob(str(out / '*.tmp'))
     for name in ('log.jsonl', 'train_log.jsonl'):
         again, whole = read_jsonl(out / name), read_jsonl(tmp_path / 'whole' / name)
@@ -148,10 +154,11 @@ def test_torn_last_line_is_dropped_and_said_a_bad_middle_line_is_an_error(tmp_pa
         f.write('{"iter": 8, "loss": 2.4')
     with open(out / 'log.jsonl', 'a') as f:
         f.write('{"iter": 12, "tok')
-    result = cli(f'--out_dir={out}', '--init_from=resume', '--max_iters=12')
-    assert result.returncode == 0, result.stderr[-2000:]
-    notes = [line for line in result.stderr.splitlines() if line.startswith('note: dropped the unreadable last line')]
-    assert len(notes) == 2 and 'line 9 of' in notes[0] + notes[1], result.stderr[-2000:]
+    capsys.readouterr()
+    tc.main([f'--out_dir={out}', '--init_from=resume', '--max_iters=12'])
+    stderr = capsys.readouterr().err
+    notes = [line for line in stderr.splitlines() if line.startswith('note: dropped the unreadable last line')]
+    assert len(notes) == 2 and 'line 9 of' in notes[0] + notes[1], stderr[-2000:]
     assert iters(out / 'train_log.jsonl') == list(range(12)) and iters(out / 'log.jsonl') == [0, 4, 8, 12]
 
     lines = (out / 'train_log.jsonl').read_text().splitlines()
@@ -172,11 +179,11 @@ def test_a_second_run_is_refused_and_the_lock_dies_with_the_first(tmp_path, data
     try:
         wait_for(first, 'iter 10:')   # holds the lock, and a checkpoint at 5 exists
         first.send_signal(signal.SIGSTOP)   # stopped, it still holds the lock, and leaves the CPU to the second
-        second = cli(f'--out_dir={out}', '--init_from=resume', '--max_iters=100001')
-        last = one_line_error(second, f'{out} is in use by another training run (pid {first.pid}, started ')
+        last = fails(f'--out_dir={out}', '--init_from=resume', '--max_iters=100001')
+        assert f'{out} is in use by another training run (pid {first.pid}, started ' in last, last
         assert 'command: python train_char.py' in last and f'--out_dir={out}' in last
-        fresh = cli(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}')   # refused before it reaches the lock
-        one_line_error(fresh, f'{out}/ckpt.pt exists: continue it with --init_from=resume')
+        fresh = fails(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}')   # refused before it reaches the lock
+        assert f'{out}/ckpt.pt exists: continue it with --init_from=resume' in fresh, fresh
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
@@ -230,9 +237,9 @@ def test_full_disk_during_a_save_says_so_and_keeps_the_checkpoint(small_disk, da
     before = digest(out / 'ckpt.pt')
     assert os.path.getsize(out / 'ckpt.pt') > 3 * 32768
     fill(small_disk, 32768)   # room for the log lines, not for a checkpoint
-    result = cli(f'--out_dir={out}', '--init_from=resume', '--max_iters=8')
-    one_line_error(result, f'could not save {out}/ckpt.pt: the disk is full (No space left on device); '
-                           f'the partial file was removed; {out}/ckpt.pt (iter 4) is the last good checkpoint')
+    assert (f'could not save {out}/ckpt.pt: the disk is full (No space left on device); the partial file was '
+            f'removed; {out}/ckpt.pt (iter 4) is the last good checkpoint') in fails(f'--out_dir={out}', '--init_from=resume',
+                                                                                    '--max_iters=8')
     assert digest(out / 'ckpt.pt') == before and not glob.glob(str(out / '*.tmp'))
     os.remove(small_disk / 'filler')
     tc.main([f'--out_dir={out}', '--init_from=resume', '--max_iters=8'])   # room again: it carries on
@@ -284,14 +291,14 @@ def test_ctrl_c_inside_a_save_stops_as_ctrl_c_does(tmp_path, data_dir, monkeypat
 # ---------------------------------------------------------------------------------------------
 # Settings that pass the type check but not the library underneath: one line
 
-def test_settings_are_checked_where_they_are_parsed(tmp_path, data_dir):
-    one_line_error(cli('--beta1=2', f'--out_dir={tmp_path / "never"}'), 'beta1=2.0 must be at least 0 and below 1')
+def test_settings_are_checked_where_they_are_parsed(tmp_path, data_dir, capsys):
+    assert 'beta1=2.0 must be at least 0 and below 1' in fails('--beta1=2', f'--out_dir={tmp_path / "never"}')
     (tmp_path / 'afile').write_text('')
-    refused = cli(*TINY, f'--data_dir={data_dir}', f"--out_dir={tmp_path / 'afile'}")
-    one_line_error(refused, 'is a file, not a folder')
-    assert 'config:' not in refused.stdout   # refused before the run prints its settings
-    one_line_error(cli('--mode=plot', f'--out_dir={tmp_path}', '--plot_file=bpc.xyz', script='eval_char.py'),
-                   "plot_file='bpc.xyz': end it in a format matplotlib writes: ")
+    capsys.readouterr()
+    assert 'is a file, not a folder' in fails(*TINY, f'--data_dir={data_dir}', f"--out_dir={tmp_path / 'afile'}")
+    assert 'config:' not in capsys.readouterr().out   # refused before the run prints its settings
+    assert "plot_file='bpc.xyz': end it in a format matplotlib writes: " in fails(
+        '--mode=plot', f'--out_dir={tmp_path}', '--plot_file=bpc.xyz', main=ec.main)
     assert 'beta2=1.0 must be at least 0 and below 1' in fails('--beta2=1')
     assert 'beta1=-0.5' in fails('--beta1=-0.5')
     assert 'seed=-1 must be a whole number from 0 to 2**32 - 1' in fails('--seed=-1')
@@ -317,15 +324,17 @@ def byte_model(tmp_path_factory, data_dir):
     return folder
 
 
-def test_prompts_are_bytes(byte_model, data_dir):
+def test_prompts_are_bytes(byte_model, data_dir, capsys):
     out = f'--out_dir={byte_model / "out"}'
     prompt = byte_model / 'prompt'
     prompt.write_bytes(b'a\xff')   # a FILE: prompt is read as bytes, UTF-8 or not
-    result = cli('--mode=sample', out, f'--start=FILE:{prompt}', script='eval_char.py')
-    assert result.returncode == 0 and result.stdout.startswith('a\ufffd'), result.stderr[-2000:]
-    result = cli('--mode=sample', out, b'--start=c\xfe', script='eval_char.py')   # typed bytes that are not UTF-8 too
-    assert result.returncode == 0 and result.stdout.startswith(b'c\xef\xbf\xbd'), result.stderr[-2000:]
-    typed = byte_model / 'typed'   # the trainer too: its lock file names the command as typed
+    capsys.readouterr()
+    ec.main(['--mode=sample', out, f'--start=FILE:{prompt}'])
+    assert capsys.readouterr().out.startswith('a\ufffd')
+    # typed bytes that are not UTF-8 too: Python hands them to main as sys.argv does, surrogate-escaped
+    ec.main(['--mode=sample', out, os.fsdecode(b'--start=c\xfe')])
+    assert capsys.readouterr().out.startswith('c\ufffd')
+    typed = byte_model / 'typed'   # the trainer too, a process typed bytes: its lock file names the command as typed
     result = cli(*TINY, f'--dataset={byte_model / "raw.bin"}', f'--data_dir={data_dir}', f'--out_dir={typed}',
                  '--max_iters=1', b'--start=c\xfe')
     assert result.returncode == 0 and b'--start=c\xfe' in (typed / 'train.lock').read_bytes(), result.stderr[-2000:]
@@ -334,8 +343,8 @@ def test_prompts_are_bytes(byte_model, data_dir):
     assert 'the prompt cannot be written as bytes' in fails('--mode=sample', out, config, main=ec.main)
     assert "outside the model's 6-symbol vocabulary: b'\\x80'" in fails('--mode=sample', out, '--start=a\udc80', main=ec.main)
     # with no prompt given, an empty --start stands for a newline or a space, which this corpus lacks
-    one_line_error(cli(*TINY, f'--dataset={byte_model / "raw.bin"}', f'--data_dir={data_dir}',
-                       f'--out_dir={byte_model / "never"}'), 'the dataset has neither a newline nor a space')
+    assert 'the dataset has neither a newline nor a space' in fails(*TINY, f'--dataset={byte_model / "raw.bin"}',
+                                                                    f'--data_dir={data_dir}', f'--out_dir={byte_model / "never"}')
     assert not os.path.exists(byte_model / 'never')   # out_dir is made (and locked) once the input is checked
 
 
@@ -465,18 +474,16 @@ def test_damaged_checkpoints_get_one_line_that_recommends_nothing_unsafe(tmp_pat
     (tmp_path / 'empty' / 'ckpt.pt').write_bytes(b'')
     (tmp_path / 'random').mkdir()
     (tmp_path / 'random' / 'ckpt.pt').write_bytes(bytes(range(256)) * 8)
-    one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "empty"}', script='eval_char.py'),
-                   'ckpt.pt is empty (0 bytes), not a checkpoint')
-    last = one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "random"}', script='eval_char.py'), 'is not a readable checkpoint')
-    assert 'weights_only' not in last and 'UnpicklingError' in last, last
+    assert 'ckpt.pt is empty (0 bytes), not a checkpoint' in fails('--mode=sample', f'--out_dir={tmp_path / "empty"}', main=ec.main)
+    last = fails('--mode=sample', f'--out_dir={tmp_path / "random"}', main=ec.main)
+    assert 'is not a readable checkpoint' in last and 'weights_only' not in last and 'UnpicklingError' in last, last
     assert 'weights_only' not in json.dumps(fails('--init_from=resume', f'--out_dir={tmp_path / "random"}'))
     (tmp_path / 'pickle').mkdir()   # a plain pickle (protocol 4), which torch.load warns about before refusing
     (tmp_path / 'pickle' / 'ckpt.pt').write_bytes(pickle.dumps({'model': print}, protocol=4))
-    result = cli('--mode=sample', f'--out_dir={tmp_path / "pickle"}', script='eval_char.py')
+    result = cli('--mode=sample', f'--out_dir={tmp_path / "pickle"}', script='eval_char.py')   # the process: the warning too
     one_line_error(result, 'is not a readable checkpoint')
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     (tmp_path / 'code').mkdir()   # torch.save'd, holding a function: torch advises allowing it, we do not
     torch.save({'model': print}, tmp_path / 'code' / 'ckpt.pt')
-    last = one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "code"}', script='eval_char.py'),
-                          'is not a readable checkpoint')
-    assert 'Unsupported global' in last and 'safe_globals' not in last and 'weights_only' not in last, last
+    last = fails('--mode=sample', f'--out_dir={tmp_path / "code"}', main=ec.main)
+    assert 'is not a readable checkpoint' in last and 'Unsupported global' in last and 'safe_globals' not in last and 'weights_only' not in last, last

@@ -21,7 +21,7 @@ import torch
 
 import train_char
 from lab import reproduce
-from common import sigint_default
+from common import lab_runs_in_process, sigint_default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ('mha', 'damcha', 'damcha_static')
@@ -106,6 +106,8 @@ def test_a_split_sweep_summarizes_the_runs_the_other_process_finished_meanwhile(
     """Two processes side by side, --variants=damcha and --variants=mha,damcha_static: while damcha
     trains, the other finishes mha and damcha_static's seed 1 of 2. damcha's process, finishing last,
     must write every row, in the table's order. The runs are stand-ins that write eval JSON."""
+    lab_runs_in_process(monkeypatch)   # train_char.py --mode=config, which gives the settings
+
     def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, *rest, **kw):
         for name, bpc in ((run, 4.0), ('mha-seed1', 3.0), ('mha-seed2', 3.1), ('damcha_static-seed1', 5.0)):
             write_run(pathlib.Path(results), name, bpc, [(0, bpc + 1), (10, bpc)])
@@ -122,6 +124,7 @@ def test_a_split_study_summarizes_what_the_other_process_finished(tmp_path, monk
     once its whole grid is done (damcha, not static with one rate), with the rate and parameter count
     a run of it alone gives; in regime i, once it has a chosen rate and a finished seed (damcha, not
     proj, which has no rate)."""
+    lab_runs_in_process(monkeypatch)   # train_char.py --mode=config, which gives the settings
     args = ['--study=2x2', '--max_iters=4', '--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16',
             '--device=cpu', f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}"]
     others = {'lr': [('damcha-lr0.001', 2.5), ('damcha-lr0.002', 2.4), ('static-lr0.001', 2.7)],
@@ -153,15 +156,18 @@ def test_a_split_study_summarizes_what_the_other_process_finished(tmp_path, monk
 COMMITTED = [('charlevel/shakespeare', ['--device=cpu']),
              ('study2x2/lr', ['--study=2x2', '--regime=lr', '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
              ('study2x2/i', ['--study=2x2', '--regime=i', '--device=cpu', '--snapshot=damcha_full-seed1']),
-             ('study2x2/ii', ['--study=2x2', '--regime=ii', '--device=cpu'])]
+             ('study2x2/ii', ['--study=2x2', '--regime=ii', '--device=cpu']),
+             ('study2x2/iv', ['--study=2x2', '--regime=iv', '--variants=mha,proj,damcha', '--device=cpu'])]
 
 
 @pytest.mark.slow
-def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys):
+def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys, monkeypatch):
     """Rerun on a copy of results/, every run is skipped and each summary is written again: it must
     come out as committed (the studies' summary.json byte for byte: an unchanged one keeps the
     commit it was written at). A change to the code that changes a summary (a default setting, a
-    statistic) must come with the summary rewritten."""
+    statistic) must come with the summary rewritten. (train_char.py --mode=config, which gives the
+    settings, runs in this process.)"""
+    lab_runs_in_process(monkeypatch)
     shutil.copytree(os.path.join(ROOT, 'results'), tmp_path / 'results', ignore=shutil.ignore_patterns('snapshots'))
     without_commit = lambda path: {k: v for k, v in json.loads(open(path).read()).items() if k != 'commit'}
     for folder, args in COMMITTED:
@@ -216,8 +222,9 @@ def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys):
             reproduce.main(['--study=2x2', '--regime=ii', '--device=cpu', *study])
 
 
-def test_a_checkpoint_past_the_asked_iterations_is_refused_not_evaluated(tmp_path):
+def test_a_checkpoint_past_the_asked_iterations_is_refused_not_evaluated(tmp_path, monkeypatch):
     """Its bpc would be summarized beside the smaller max_iters asked now."""
+    lab_runs_in_process(monkeypatch)   # train_char.py --mode=config, which gives the settings
     (tmp_path / 'out' / 'mha-seed1').mkdir(parents=True)
     torch.save(dict(iter_num=10), tmp_path / 'out' / 'mha-seed1' / 'ckpt.pt')
     with pytest.raises(SystemExit, match='ckpt.pt is at iter 10, past the max_iters=5 asked now'):
@@ -257,10 +264,12 @@ def test_options_that_would_be_dropped_are_refused():
 
 
 @pytest.mark.slow
-def test_study_2x2_lr_sweep_then_regime_i(tmp_path, in_process):
+def test_study_2x2_lr_sweep_then_regime_i(tmp_path, in_process, monkeypatch):
     """--study=2x2: the LR sweep trains on the training split's own 90/5/5 split (never val) at the
     full corpus's vocabulary, chooses a rate per variant, and regime i trains at it, records the
-    commit, evaluates the Table 3 model with blocks=diag and offdiag, and writes the paired intervals."""
+    commit, evaluates the Table 3 model with blocks=diag and offdiag, and writes the paired intervals.
+    Its runs and their evaluations are calls in this process (lab_runs_in_process)."""
+    lab_runs_in_process(monkeypatch)
     args = ['--study=2x2', '--seeds=1', '--max_iters=4', '--eval_interval=2', '--eval_iters=1', '--n_layer=1',
             '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=1024', '--max_new_tokens=2', '--device=cpu',
             '--variants=mha,damcha_full', f"--results={tmp_path / 'results'}", f"--out_root={tmp_path / 'out'}",
@@ -325,9 +334,11 @@ def refusal(*argv):
     return e.value.code
 
 
-def test_settings_that_would_run_nothing_or_fail_late_are_refused_first(tmp_path):
+def test_settings_that_would_run_nothing_or_fail_late_are_refused_first(tmp_path, monkeypatch):
     """A sweep of nothing would rewrite the committed summary as an empty table; a bad model or
-    results folder would fail after the data are prepared: each is one line, before anything runs."""
+    results folder would fail after the data are prepared: each is one line, before anything runs.
+    (train_char.py --mode=config, whose one line a bad model setting is, runs in this process.)"""
+    lab_runs_in_process(monkeypatch)
     results = f"--results={tmp_path / 'results'}"
     assert 'seeds must be positive, not 0' in refusal('--seeds=0', results)
     assert 'variants names no variant' in refusal('--variants=', results)
@@ -379,8 +390,7 @@ def test_the_lab_trains_proj_through_the_books_trainer(tmp_path, monkeypatch):
     assert 'h.0.attn.c_attn.weight' in ckpt['model'] and 'gen.1.bias' in ckpt['model']
 
 
-@pytest.mark.slow
-def test_the_snapshot_run_resumes_with_the_snapshots_still_ahead(tmp_path):
+def test_the_snapshot_run_resumes_with_the_snapshots_still_ahead(tmp_path, monkeypatch):
     """An interrupted snapshot run (damcha-seed1 by default) resumes: its snapshots from before the
     checkpoint were written by the first run, and the resume asks only for those of this
     max_iters still ahead, not for iterations it has passed, nor for the checkpoint's list, which
@@ -388,7 +398,7 @@ def test_the_snapshot_run_resumes_with_the_snapshots_still_ahead(tmp_path):
     tiny = dict(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=4, eval_interval=3, eval_iters=1,
                 device='cpu', data_dir=str(tmp_path / 'data'), gen_width=8, lr_decay_iters=6, max_new_tokens=2)
     out = tmp_path / 'out'
-    # the interrupted run, in this process (the resume below is reproduce.py's subprocess)
+    lab_runs_in_process(monkeypatch)   # the interrupted run, and reproduce.py's resume below, in this process
     train_char.main([*reproduce.flags(tiny), f'--out_dir={out}', '--max_iters=3', '--snapshot_iters=0,1'])
     ckpt = torch.load(out / 'ckpt.pt', weights_only=True)   # as if planned for 10 iterations, stopped at 3
     torch.save(dict(ckpt, config=dict(ckpt['config'], max_iters=10, snapshot_iters='0,1,10')), out / 'ckpt.pt')
@@ -477,3 +487,36 @@ def test_seed_summary_pairs_each_seed_with_mha(tmp_path, capsys):
     assert time_[0] == pytest.approx((0.55 + 0.0) / 2)
     assert damcha['gap_mean'] == pytest.approx(0.1 / math.log(2)) and damcha['minutes'] == pytest.approx(15 / 60)
     assert rows['mha']['diff_equal_steps'] == [0.0, 0.0]
+
+
+def test_factor_effects_of_passes_and_dropout(tmp_path, capsys):
+    """Each factor's effect on a variant's difference to MHA, over the seeds that finished all four
+    cells: d = variant - mha per regime; passes and dropout are the mean changes across the other
+    factor's two levels, the interaction the change of the passes effect with dropout."""
+    d = dict(i=0.06, iv=0.10, iii=0.00, ii=-0.03)   # proj - mha in each cell, plus 0.001 * seed in ii
+    for regime, diff in d.items():
+        (tmp_path / regime).mkdir()
+        for s in (1, 2, 3):
+            bpc = dict(mha=2.5 + 0.01 * s, proj=2.5 + 0.01 * s + diff + 0.001 * s * (regime == 'ii'),
+                       damcha=2.6 + 0.01 * s)
+            for v in ('mha', 'proj', 'damcha'):
+                if not (regime == 'iii' and v == 'proj' and s == 3):   # proj's third seed has not finished all four
+                    (tmp_path / regime / f'{v}-seed{s}.eval.json').write_text(json.dumps(dict(val_bpc=bpc[v], commit='c')))
+    reproduce.factor_effects(str(tmp_path), seeds=5)
+    rows = {r['variant']: r for r in json.loads((tmp_path / 'factors.json').read_text())['rows']}
+    proj = rows['proj']
+    assert proj['seeds'] == [1, 2]
+    assert proj['effects']['passes'][0] == pytest.approx((0.00 - 0.03 + 0.0015 - 0.06 - 0.10) / 2)
+    assert proj['effects']['dropout'][0] == pytest.approx((0.10 - 0.03 + 0.0015 - 0.06 - 0.00) / 2)
+    assert proj['effects']['interaction'][0] == pytest.approx((-0.03 + 0.0015 - 0.10) - (0.00 - 0.06))
+    assert proj['effects']['passes'][1] > 0   # seeds 1 and 2 differ in ii: an interval of some width
+    assert rows['damcha']['seeds'] == [1, 2, 3]
+    assert all(rows['damcha']['effects'][k] == [pytest.approx(0.0), pytest.approx(0.0, abs=1e-12)]
+               for k in ('passes', 'dropout', 'interaction'))
+    assert '| proj - mha | 2 |' in (tmp_path / 'factors.md').read_text()
+    (tmp_path / 'iii' / 'mha-seed1.eval.json').unlink()
+    (tmp_path / 'iii' / 'mha-seed2.eval.json').unlink()
+    (tmp_path / 'iii' / 'mha-seed3.eval.json').unlink()
+    (tmp_path / 'factors.json').unlink()
+    reproduce.factor_effects(str(tmp_path), seeds=5)   # no seed has every cell: nothing is written
+    assert not (tmp_path / 'factors.json').exists()

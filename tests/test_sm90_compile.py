@@ -16,13 +16,14 @@ op's own (damcha_triton._forward_plan and _backward_plan on meta tensors at B = 
 H = 12: same strides, hence the same specialisation), for every autotuning config the op may pick.
 
 The matrix: every kernel (the forward and _bwd_dq for per-token and static metrics, _bwd_prep,
-_bwd_dkdv), at dh in {16, 32, 64, 128}, in bfloat16; float16 and float32 at dh = 64 (float16
-compiles to the same code as bfloat16 bar the conversions; float32 may spill in some configs,
-but at dh = 64 every kernel must have one config that does not). DAMCHA_SM90_FULL=1 adds float16
-and float32 at every dh. The compiles run in a child process: pytest's process may already have
-chosen Triton's interpreter (tests/test_triton.py does), and the stand-in driver must not leak into
-other tests; two children, each compiling every other (dtype, dh) pair, use both cores of a CI
-machine. Skipped only when Triton's ptxas or cuobjdump is missing.
+_bwd_dkdv), each dh in {16, 32, 64, 128} once in 16-bit: bfloat16 at 16, 64 and 128, float16 at
+32 (float16 compiles to the same code as bfloat16 bar the conversions, and keeps the same
+configs); and float32 at dh = 64 (float32 may spill in some configs, but at dh = 64 every kernel
+must have one config that does not). DAMCHA_SM90_FULL=1 compiles every dtype at every dh. The
+compiles run in a child process: pytest's process may already have chosen Triton's interpreter
+(tests/test_triton.py does), and the stand-in driver must not leak into other tests; two
+children, each compiling every other (dtype, dh) pair, use both cores of a CI machine. Skipped
+only when Triton's ptxas or cuobjdump is missing.
 """
 import json
 import os
@@ -43,7 +44,7 @@ def matrix(full):
     """(dtype name, dh) pairs to compile."""
     if full:
         return [(dtype, dh) for dtype in ("bfloat16", "float16", "float32") for dh in DHS]
-    return [("bfloat16", dh) for dh in DHS] + [("float16", 64), ("float32", 64)]
+    return [("bfloat16", 16), ("bfloat16", 64), ("bfloat16", 128), ("float16", 32), ("float32", 64)]
 
 
 def compile_rows(full, part=0, parts=1):

@@ -209,21 +209,27 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     assert 'unknown setting' in fails(unknown)
 
 
-@pytest.mark.slow
-def test_command_line_errors_have_no_traceback(data_dir):
-    """Each is one line on stderr and nothing on stdout: the config a run prints comes after the data."""
+def test_command_line_errors_have_no_traceback(data_dir, monkeypatch, capsys):
+    """Each is one line on stderr and nothing on stdout: the config a run prints comes after the data.
+    The first runs as a process; the others in this process, where main's SystemExit holds the one
+    line that Python prints (exit status 1) and main itself must print nothing."""
+    result = cli('--no_such_flag=1', '--out_dir=/nonexistent/never-written')
+    assert result.returncode == 1 and 'unknown setting' in result.stderr, result.stderr
+    assert result.stderr.strip().count('\n') == 0 and 'Traceback' not in result.stderr, result.stderr
+    assert result.stdout == '', result.stdout
     prep.prepare('shakespeare', str(data_dir))   # so that the prompt's run says only its error
-    for args, words in [(['--no_such_flag=1'], 'unknown setting'), (['--max_iters=ten'], 'expected int'),
+    monkeypatch.chdir(ROOT)   # as cli runs it, without tests/test_triton.py's TRITON_INTERPRET
+    monkeypatch.delenv('TRITON_INTERPRET', raising=False)
+    capsys.readouterr()
+    for args, words in [(['--max_iters=ten'], 'expected int'),
                         (['--dataset=no/such/file.txt'], 'neither'),
                         ([f'--data_dir={data_dir}', '--start=' + 'a' * 65], 'longer than the model'),
                         (['--n_embd=30', '--n_head=4'], 'divisible'), (['--n_head=0'], 'at least 1'),
                         (['--kernel=triton', '--device=cpu'], 'kernel=triton needs'),
                         (['--n_embd=30', '--n_head=4', '--mode=config'], 'divisible'),   # as the run would
                         (['--dataset=no/such/file.txt', '--mode=config'], 'neither')]:
-        result = cli(*args, '--out_dir=/nonexistent/never-written')
-        assert result.returncode != 0 and words in result.stderr, result.stderr
-        assert result.stderr.strip().count('\n') == 0 and 'Traceback' not in result.stderr, result.stderr
-        assert result.stdout == '', result.stdout
+        assert words in fails(*args, '--out_dir=/nonexistent/never-written')
+        assert capsys.readouterr() == ('', ''), args
 
 
 def test_the_interpreted_kernel_is_refused_in_16_bit(monkeypatch):
@@ -239,10 +245,11 @@ def test_the_interpreted_kernel_is_refused_in_16_bit(monkeypatch):
         checks.check_kernel('triton', 'cuda', dtype)
 
 
-def test_config_mode_prints_the_composed_settings():
-    result = cli('config/text8.py', 'config/mha.py', '--mode=config', '--n_layer=2')
-    assert result.returncode == 0, result.stderr
-    cfg = json.loads(result.stdout)   # a dataset file, a model file, then flags, in that order
+def test_config_mode_prints_the_composed_settings(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)   # the config files' paths, as typed in the repository
+    capsys.readouterr()
+    run('config/text8.py', 'config/mha.py', '--mode=config', '--n_layer=2')
+    cfg = json.loads(capsys.readouterr().out)   # a dataset file, a model file, then flags, in that order
     assert (cfg['dataset'], cfg['attn'], cfg['n_layer'], cfg['max_iters']) == ('text8', 'mha', 2, 50000)
     assert cfg['out_dir'] == 'out-text8-mha'   # out-text8-{attn}
     assert 'braces must hold' in fails('--out_dir=out-{nope}', '--mode=config')
@@ -552,10 +559,10 @@ def test_wrong_archive_is_reported_and_kept(corpora, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # Training, resuming, DDP
 
-@pytest.mark.slow
 def test_command_line_train_resume_sample(tmp_path, data_dir, capsys):
     """Issue 4's 'done when': 60 iterations log a falling val loss and a checkpoint, a resume
-    continues to 90, and sampling prints text after the prompt."""
+    continues to 90, and sampling prints text after the prompt. The first run is the command itself,
+    a process; the resume and the sampling are its main(argv) in this process."""
     out = tmp_path / 'out'
     common = [*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--learning_rate=1e-2']
     result = cli(*common, '--max_iters=60', '--eval_interval=30')
@@ -566,10 +573,11 @@ def test_command_line_train_resume_sample(tmp_path, data_dir, capsys):
     assert 'sample:' in result.stdout and ' tokens/s' in result.stdout
     assert 'mfu' not in result.stdout   # a GPU's peak: not printed for a CPU run
 
-    result = cli(*common, '--init_from=resume', '--max_iters=90', '--num_samples=2')
-    assert result.returncode == 0, result.stderr
-    assert f"resuming from {out / 'ckpt.pt'} at iter 60" in result.stdout
-    assert result.stdout.count('sample:\n') == 2, result.stdout[-500:]   # --num_samples
+    capsys.readouterr()
+    run(*common, '--init_from=resume', '--max_iters=90', '--num_samples=2')
+    stdout = capsys.readouterr().out
+    assert f"resuming from {out / 'ckpt.pt'} at iter 60" in stdout
+    assert stdout.count('sample:\n') == 2, stdout[-500:]   # --num_samples
     assert [e['iter'] for e in checkpoint.read_jsonl(out / 'log.jsonl')] == [0, 30, 60, 90]
     rates = [e['lr'] for e in checkpoint.read_jsonl(out / 'train_log.jsonl')]
     assert len(rates) == 90 and rates[0] < rates[10] > rates[89]   # warm-up, then decay
@@ -586,10 +594,8 @@ def test_command_line_train_resume_sample(tmp_path, data_dir, capsys):
                                                           '--n_embd=64')
     assert capsys.readouterr().out == ''   # before the data are loaded and the settings printed
 
-    result = cli('--mode=sample', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=40', '--num_samples=2',
-                 script='eval_char.py')
-    assert result.returncode == 0, result.stderr
-    samples = result.stdout.split('---------------\n')
+    run_eval('--mode=sample', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=40', '--num_samples=2')
+    samples = capsys.readouterr().out.split('---------------\n')
     assert len(samples) == 3 and all(s.startswith('ROMEO:') and len(s) > 40 for s in samples[:2])
 
 
