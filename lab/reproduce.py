@@ -52,6 +52,8 @@ model, also evaluated with blocks=diag and offdiag).
     python lab/reproduce.py --study=2x2 --regime=iv --variants=mha,proj,damcha    # 1,860 iters, dropout 0.1
     python lab/reproduce.py --study=2x2 --regime=lr6000 --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3,8e-3
                                                        # the LR sweep at regime ii's 6,000 iterations
+    python lab/reproduce.py --study=2x2 --regime=lr_big --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3
+    python lab/reproduce.py --study=2x2 --regime=big --variants=mha,proj,damcha --seeds=3   # D = 256, 6 layers
 Results under results/study2x2/<regime>/ (each eval JSON records the commit), checkpoints under
 out-study/2x2/<regime>/; finished runs are skipped, so each command resumes, and rerun on finished
 results it only rewrites summary.md / summary.json (paired differences to MHA with 95% t intervals
@@ -101,12 +103,18 @@ STUDY = dict(
 # regimes: "lr" the learning-rate sweep (one seed per rate, scored on a held-out slice of the training
 # split), "i" one pass over the training split (1,429,444 characters / (12 x 64) = 1,861 iterations),
 # "ii" about three passes with dropout 0.1; "iii" and "iv" complete the 2x2 of passes x dropout:
-# three passes without dropout, one pass with it; "lr6000" the sweep again at regime ii's schedule
+# three passes without dropout, one pass with it; "lr6000" the sweep again at regime ii's schedule;
+# "big" one step up in scale (BIG: ~3 passes in 2,800 iterations, dropout 0.1 as in regime ii) at the
+# rates of its own short sweep "lr_big" (one pass)
+BIG = dict(n_embd=256, n_head=8, n_layer=6, block_size=128)
 REGIMES = dict(lr=dict(max_iters=1860, eval_interval=100), i=dict(max_iters=1860, eval_interval=100),
                ii=dict(max_iters=6000, eval_interval=250, dropout=0.1), iii=dict(max_iters=6000, eval_interval=250),
                iv=dict(max_iters=1860, eval_interval=100, dropout=0.1),
-               lr6000=dict(max_iters=6000, eval_interval=250, dropout=0.1))
-SWEEPS = ('lr', 'lr6000')   # the regimes that sweep the rates; every other one trains at the rates "lr" chose
+               lr6000=dict(max_iters=6000, eval_interval=250, dropout=0.1),
+               lr_big=dict(max_iters=930, eval_interval=100, dropout=0.1, **BIG),
+               big=dict(max_iters=2800, eval_interval=200, dropout=0.1, **BIG))
+SWEEPS = ('lr', 'lr6000', 'lr_big')   # the regimes that sweep the rates
+RATES_FROM = dict(big='lr_big')   # the sweep whose rates a regime trains at; "lr" for the others
 # the run named by --snapshot also keeps its weights at these fractions of max_iters, in
 # <results>/snapshots/<run>/: notebooks/04 plots its learned metric over training from them
 SNAPSHOT_AT = (0, 0.025, 0.1, 0.3, 1)
@@ -496,15 +504,15 @@ def read_evals(results):
     return out
 
 
-def chosen_rates(root):
+def chosen_rates(root, sweep='lr'):
     """{variant: learning rate} chosen by the LR sweep (its summary.json), or a one-line error."""
-    path = os.path.join(root, 'lr', 'summary.json')
+    path = os.path.join(root, sweep, 'summary.json')
     if not os.path.exists(path):
-        die(f"{path} does not exist: run the learning-rate sweep first (--regime=lr)")
+        die(f"{path} does not exist: run the learning-rate sweep first (--regime={sweep})")
     summary = read_json(path)
     rates = summary.get('chosen_lr') if isinstance(summary, dict) else None
     if not (isinstance(rates, dict) and all(type(r) in (int, float) and r > 0 for r in rates.values())):
-        die(f"{path} is damaged: its chosen_lr should map variants to learning rates; rerun --regime=lr to rewrite it")
+        die(f"{path} is damaged: its chosen_lr should map variants to learning rates; rerun --regime={sweep} to rewrite it")
     return rates
 
 
@@ -688,10 +696,11 @@ def study(opts, passthrough):
         complete = lambda v: len(finished(results, [f'{v}-lr{lr:g}' for lr in grid])) == len(grid)
     else:
         dataset, vocab_size = opts['dataset'], 0
-        rates = chosen_rates(root)
+        rates = chosen_rates(root, RATES_FROM.get(regime, 'lr'))
         missing = [v for v in variants if v not in rates]
         if missing:
-            die(f"the LR sweep has chosen no rate yet for {', '.join(missing)}: finish --regime=lr first")
+            die(f"the LR sweep has chosen no rate yet for {', '.join(missing)}: finish "
+                f"--regime={RATES_FROM.get(regime, 'lr')} first")
         jobs_of = lambda names: [(f'{n}-seed{s}', n, dict(learning_rate=rates[n], min_lr=rates[n] / 10, seed=s))
                                  for s in seeds for n in names]
         # another variant joins the summary with a chosen rate and a finished seed

@@ -520,3 +520,18 @@ def test_factor_effects_of_passes_and_dropout(tmp_path, capsys):
     (tmp_path / 'factors.json').unlink()
     reproduce.factor_effects(str(tmp_path), seeds=5)   # no seed has every cell: nothing is written
     assert not (tmp_path / 'factors.json').exists()
+
+
+def test_the_larger_model_trains_at_the_rates_of_its_own_sweep(tmp_path):
+    """Regime big takes its rates from lr_big, not from the small model's sweep."""
+    study = tmp_path / 'study'
+    for sweep, rate in (('lr', 0.004), ('lr_big', 0.001)):
+        (study / sweep).mkdir(parents=True)
+        (study / sweep / 'summary.json').write_text(json.dumps({'chosen_lr': {'mha': rate}}))
+    assert reproduce.chosen_rates(str(study), 'lr_big') == {'mha': 0.001}
+    assert reproduce.RATES_FROM['big'] == 'lr_big' and reproduce.REGIMES['big']['n_embd'] == 256
+    (study / 'lr_big' / 'summary.json').unlink()
+    with pytest.raises(SystemExit, match=r'lr_big.summary\.json does not exist: run the learning-rate sweep first '
+                                         r'\(--regime=lr_big\)'):
+        reproduce.main(['--study=2x2', '--regime=big', '--variants=mha', '--device=cpu', f'--results={study}',
+                        f"--out_root={tmp_path / 'out'}"])
