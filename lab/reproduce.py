@@ -644,7 +644,7 @@ def factor_effects(root, seeds):
     (how much dropout changes the effect of passes), each with its 95% t interval over the seeds that
     finished all eight runs. The regimes' runs are independent, so joining them by seed number
     correlates nothing: each contrast's spread over seeds is its own. Writes factors.md and
-    factors.json under root once a seed has every cell."""
+    factors.json (with each cell's per-seed differences) under root once a seed has every cell."""
     evals = {r: read_evals(os.path.join(root, r)) for r in CELLS}
     rows = []
     for name in ('proj', 'damcha'):
@@ -656,7 +656,7 @@ def factor_effects(root, seeds):
         effects = dict(passes=[(d['iii'][k] + d['ii'][k] - d['i'][k] - d['iv'][k]) / 2 for k in range(len(done))],
                        dropout=[(d['iv'][k] + d['ii'][k] - d['i'][k] - d['iii'][k]) / 2 for k in range(len(done))],
                        interaction=[(d['ii'][k] - d['iv'][k]) - (d['iii'][k] - d['i'][k]) for k in range(len(done))])
-        rows.append(dict(variant=name, seeds=done, cells={r: interval(d[r]) for r in CELLS},
+        rows.append(dict(variant=name, seeds=done, diffs=d, cells={r: interval(d[r]) for r in CELLS},
                          effects={k: interval(v) for k, v in effects.items()}))
     if not rows:
         return

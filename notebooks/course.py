@@ -73,3 +73,27 @@ def sides_plot(summaries, colors):
     ax.set(xlabel="paired difference in whole-val bpc (negative: the change helps)", title="the 2x2's sides" + regimes)
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
+
+
+def factors_plot(factors, colors):
+    """The 2x2 of passes x dropout, one panel per variant: its difference to MHA in each cell with the
+    95% t interval, one line per dropout level. Parallel lines: the factors do not interact."""
+    rows = factors["rows"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(5.2 * len(rows), 3.6), sharey=True, squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        for dropout, cells, style, shift in (("no dropout", ("i", "iii"), "-", -0.02), ("dropout 0.1", ("iv", "ii"), "--", 0.02)):
+            means = [row["cells"][r][0] for r in cells]
+            halves = [row["cells"][r][1] or 0.0 for r in cells]
+            x = [shift, 1 + shift]   # apart, so that the two levels' intervals do not hide each other
+            ax.errorbar(x, means, yerr=halves, fmt="o" + style, color=colors[row["variant"]],
+                        mfc="white" if style == "--" else None, capsize=3, label=dropout)
+            for xr, mean, r in zip(x, means, cells):
+                ax.annotate(f" {r}", (xr, mean), fontsize=8)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xticks([0, 1], ["one pass", "about three passes"])
+        ax.set_xlim(-0.3, 1.3)
+        ax.set(title=f"{row['variant']} - mha, {len(row['seeds'])} seeds, 95% t intervals")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("whole-val bpc minus MHA's (negative: better)")
+    fig.tight_layout()

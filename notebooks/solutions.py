@@ -85,3 +85,12 @@ def paired_interval(first, second, t_crit):
     Student's 0.975 quantile for n - 1 degrees of freedom."""
     d = np.asarray(first, float) - np.asarray(second, float)
     return float(d.mean()), float(t_crit * d.std(ddof=1) / math.sqrt(len(d)))
+
+
+def factor_effects(d):
+    """05, exercise 3: from d[regime], one variant's per-seed differences to MHA in the four cells
+    (i: one pass, iv: one pass with dropout, iii: three passes, ii: three passes with dropout), each
+    seed's effect of passes and of dropout (the change averaged over the other factor's two levels)
+    and their interaction (how much dropout changes the effect of passes)."""
+    i, iv, iii, ii = (np.asarray(d[r], float) for r in ("i", "iv", "iii", "ii"))
+    return dict(passes=(iii + ii - i - iv) / 2, dropout=(iv + ii - i - iii) / 2, interaction=(ii - iv) - (iii - i))

@@ -506,6 +506,7 @@ def test_factor_effects_of_passes_and_dropout(tmp_path, capsys):
     rows = {r['variant']: r for r in json.loads((tmp_path / 'factors.json').read_text())['rows']}
     proj = rows['proj']
     assert proj['seeds'] == [1, 2]
+    assert proj['diffs']['iv'] == [pytest.approx(0.10), pytest.approx(0.10)]
     assert proj['effects']['passes'][0] == pytest.approx((0.00 - 0.03 + 0.0015 - 0.06 - 0.10) / 2)
     assert proj['effects']['dropout'][0] == pytest.approx((0.10 - 0.03 + 0.0015 - 0.06 - 0.00) / 2)
     assert proj['effects']['interaction'][0] == pytest.approx((-0.03 + 0.0015 - 0.10) - (0.00 - 0.06))
