@@ -459,6 +459,16 @@ def interval(diffs):
     return statistics.mean(diffs), t_quantile(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
 
 
+def welch_interval(first, second):
+    """(mean of first - mean of second, half-width of Welch's 95% t interval) of two independent
+    samples; half-width None when either has fewer than 2 values."""
+    if len(first) < 2 or len(second) < 2:
+        return statistics.mean(first) - statistics.mean(second), None
+    va, vb = statistics.variance(first) / len(first), statistics.variance(second) / len(second)
+    dof = (va + vb) ** 2 / (va ** 2 / (len(first) - 1) + vb ** 2 / (len(second) - 1))
+    return statistics.mean(first) - statistics.mean(second), t_quantile(0.975, dof) * math.sqrt(va + vb)
+
+
 def training_split_file(folder, data_dir):
     """The bundled corpus's training split written as a text file: train_char splits a file
     90/5/5, so the LR sweep's val is a held-out slice of the training split, never the real val."""
@@ -637,7 +647,12 @@ CELLS = dict(i=('one pass', 'no dropout'), iv=('one pass', 'dropout 0.1'), iii=(
              ii=('three passes', 'dropout 0.1'))
 
 
-def factor_effects(root, seeds):
+def seeds_in(evals):
+    """The seed numbers of the runs in {regime: {run name: eval JSON}}, in order."""
+    return sorted({int(run.rsplit('-seed', 1)[1]) for runs in evals.values() for run in runs if '-seed' in run})
+
+
+def factor_effects(root):
     """What passes (about 3 against 1) and dropout (0.1 against 0) do to each variant's difference
     to MHA, d_r = variant - mha at the same seed in regime r. Per seed: passes = (d_iii + d_ii - d_i -
     d_iv) / 2, dropout = (d_iv + d_ii - d_i - d_iii) / 2, interaction = (d_ii - d_iv) - (d_iii - d_i)
@@ -649,7 +664,7 @@ def factor_effects(root, seeds):
     rows = []
     for name in ('proj', 'damcha'):
         runs = lambda s: [f'{v}-seed{s}' for v in (name, 'mha')]
-        done = [s for s in range(1, seeds + 1) if all(run in evals[r] for r in CELLS for run in runs(s))]
+        done = [s for s in seeds_in(evals) if all(run in evals[r] for r in CELLS for run in runs(s))]
         if not done:
             continue
         d = {r: [evals[r][f'{name}-seed{s}']['val_bpc'] - evals[r][f'mha-seed{s}']['val_bpc'] for s in done] for r in CELLS}
@@ -671,6 +686,39 @@ def factor_effects(root, seeds):
               + ' | '.join(fmt_interval(*row['effects'][k]) for k in ('passes', 'dropout', 'interaction')) + ' |'
               for row in rows]
     with open(os.path.join(root, 'factors.md'), 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    print('\n'.join(lines))
+
+
+# one step up in scale: the small model's regime and the larger one's, both about three passes with dropout 0.1
+SCALES = dict(ii='D = 128, 4 layers, context 64', big='D = 256, 6 layers, context 128')
+
+
+def scale_effects(root):
+    """Whether each variant's difference to MHA (same seed) grows or shrinks from the small model
+    (regime ii) to the larger one (regime big): the difference of the two regimes' mean differences,
+    with Welch's 95% t interval (the regimes' runs are independent, and their seed counts differ).
+    Writes scale.md and scale.json under root once each regime has a seed of the variant and MHA."""
+    evals = {r: read_evals(os.path.join(root, r)) for r in SCALES}
+    rows = []
+    for name in ('proj', 'damcha'):
+        d = {r: [evals[r][f'{name}-seed{s}']['val_bpc'] - evals[r][f'mha-seed{s}']['val_bpc'] for s in seeds_in(evals)
+                 if f'{name}-seed{s}' in evals[r] and f'mha-seed{s}' in evals[r]] for r in SCALES}
+        if all(d.values()):
+            rows.append(dict(variant=name, diffs=d, cells={r: interval(d[r]) for r in SCALES},
+                             change=welch_interval(d['big'], d['ii'])))
+    if not rows:
+        return
+    write_study_summary(os.path.join(root, 'scale.json'), dict(scales=SCALES, rows=rows, commit=git_commit()))
+    lines = ['One step up in scale, both after about three passes with dropout 0.1: whole-val bpc of each variant '
+             'minus MHA\'s at the same seed, with 95% t intervals, and its change from the small model to the '
+             'larger one (Welch\'s 95% t interval). Negative change: the larger model favours the variant more.', '',
+             '| variant | ' + ' | '.join(f'{r} ({size}): seeds, difference' for r, size in SCALES.items()) + ' | change |',
+             '|---|' + '---|' * (len(SCALES) + 1)]
+    lines += [f"| {row['variant']} - mha | " + ' | '.join(f"{len(row['diffs'][r])}, {fmt_interval(*row['cells'][r])}"
+                                                          for r in SCALES) + f" | {fmt_interval(*row['change'])} |"
+              for row in rows]
+    with open(os.path.join(root, 'scale.md'), 'w') as f:
         f.write('\n'.join(lines) + '\n')
     print('\n'.join(lines))
 
@@ -732,7 +780,8 @@ def study(opts, passthrough):
         lr_summary(summarized, grid, params, results, commit)
     else:
         seed_summary(summarized, opts['seeds'], runs, params, rates, results, regime, commit)
-        factor_effects(root, opts['seeds'])
+        factor_effects(root)
+        scale_effects(root)
 
 
 def main(argv):

@@ -502,7 +502,7 @@ def test_factor_effects_of_passes_and_dropout(tmp_path, capsys):
             for v in ('mha', 'proj', 'damcha'):
                 if not (regime == 'iii' and v == 'proj' and s == 3):   # proj's third seed has not finished all four
                     (tmp_path / regime / f'{v}-seed{s}.eval.json').write_text(json.dumps(dict(val_bpc=bpc[v], commit='c')))
-    reproduce.factor_effects(str(tmp_path), seeds=5)
+    reproduce.factor_effects(str(tmp_path))
     rows = {r['variant']: r for r in json.loads((tmp_path / 'factors.json').read_text())['rows']}
     proj = rows['proj']
     assert proj['seeds'] == [1, 2]
@@ -519,7 +519,7 @@ def test_factor_effects_of_passes_and_dropout(tmp_path, capsys):
     (tmp_path / 'iii' / 'mha-seed2.eval.json').unlink()
     (tmp_path / 'iii' / 'mha-seed3.eval.json').unlink()
     (tmp_path / 'factors.json').unlink()
-    reproduce.factor_effects(str(tmp_path), seeds=5)   # no seed has every cell: nothing is written
+    reproduce.factor_effects(str(tmp_path))   # no seed has every cell: nothing is written
     assert not (tmp_path / 'factors.json').exists()
 
 
@@ -536,3 +536,31 @@ def test_the_larger_model_trains_at_the_rates_of_its_own_sweep(tmp_path):
                                          r'\(--regime=lr_big\)'):
         reproduce.main(['--study=2x2', '--regime=big', '--variants=mha', '--device=cpu', f'--results={study}',
                         f"--out_root={tmp_path / 'out'}"])
+
+
+def test_welch_interval_of_two_independent_samples():
+    """Equal sizes and variances: Welch's degrees of freedom are 2(n - 1), here t(0.975, 4) = 2.7764."""
+    mean, half = reproduce.welch_interval([2.0, 3.0, 4.0], [1.0, 2.0, 3.0])
+    assert mean == pytest.approx(1.0) and half == pytest.approx(2.7764 * math.sqrt(2 / 3), rel=1e-4)
+    assert reproduce.welch_interval([2.0], [1.0, 2.0]) == (pytest.approx(0.5), None)
+
+
+def test_scale_effects_compare_the_larger_model_with_regime_ii(tmp_path):
+    """Each variant's difference to MHA in regime ii (5 seeds) and in regime big (3), and the change
+    between them; nothing is written before both regimes have a seed of the variant and MHA."""
+    for regime, seeds, diff in (('ii', 5, -0.02), ('big', 3, -0.05)):
+        (tmp_path / regime).mkdir()
+        for s in range(1, seeds + 1):
+            for v, bpc in (('mha', 2.3 + 0.01 * s), ('proj', 2.3 + 0.01 * s + diff + 0.002 * s)):
+                (tmp_path / regime / f'{v}-seed{s}.eval.json').write_text(json.dumps(dict(val_bpc=bpc, commit='c')))
+    reproduce.scale_effects(str(tmp_path))
+    [row] = json.loads((tmp_path / 'scale.json').read_text())['rows']
+    assert row['variant'] == 'proj' and len(row['diffs']['ii']) == 5 and len(row['diffs']['big']) == 3
+    assert row['change'][0] == pytest.approx((-0.05 + 0.004) - (-0.02 + 0.006))
+    assert row['change'][1] > 0
+    assert '| proj - mha | 5, ' in (tmp_path / 'scale.md').read_text()
+    for f in (tmp_path / 'big').iterdir():
+        f.unlink()
+    (tmp_path / 'scale.json').unlink()
+    reproduce.scale_effects(str(tmp_path))
+    assert not (tmp_path / 'scale.json').exists()
