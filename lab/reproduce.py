@@ -55,11 +55,13 @@ model, also evaluated with blocks=diag and offdiag).
     python lab/reproduce.py --study=2x2 --regime=lr_big --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3
     python lab/reproduce.py --study=2x2 --regime=big --variants=mha,proj,damcha --seeds=3   # D = 256, 6 layers
 Results under results/study2x2/<regime>/ (each eval JSON records the commit), checkpoints under
-out-study/2x2/<regime>/; finished runs are skipped, so each command resumes, and rerun on finished
+out-study/2x2/<regime>/; finished runs are skipped, so each command resumes; copies of one command
+started side by side share its runs (each skips the run another is training); and rerun on finished
 results it only rewrites summary.md / summary.json (paired differences to MHA with 95% t intervals
 at equal steps and at equal wall-clock, the train/val gap, the blocks evaluations).
 """
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -268,6 +270,20 @@ def skip_finished(run, eval_path, planned):
     ran_as_planned(run, eval_path, planned)
     print(f"skip {run}: {eval_path} exists", flush=True)
     return True
+
+
+def claim(out_dir):
+    """Hold out_dir/claim.lock (an exclusive flock, which the kernel releases when this process ends
+    in any way) while this process trains and evaluates the run, or None when another process of this
+    script holds it: copies of one command, started side by side, share its runs."""
+    os.makedirs(out_dir, exist_ok=True)
+    held = open(os.path.join(out_dir, 'claim.lock'), 'w')
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.close()
+        return None
+    return held
 
 
 def checkpoint_iter(out_dir):
@@ -762,12 +778,19 @@ def study(opts, passthrough):
         settings = runs[name] | extra
         if skip_finished(run, os.path.join(results, run + '.eval.json'), planned(name, extra)):
             continue
-        t0 = time.time()
-        blocks = ('diag', 'offdiag') if regime not in SWEEPS and settings.get('gen_out') == 'full' else ()
-        result = train_and_evaluate(run, os.path.join(out_root, run), (), settings, cfg['max_iters'],
-                                    opts, results, f'{params[name]:,} parameters', blocks,
-                                    dict(commit=commit, variant=name, params=params[name], **extra),
-                                    may_diverge=regime in SWEEPS)
+        held = claim(os.path.join(out_root, run))
+        if held is None:
+            print(f"skip {run}: another process is training it", flush=True)
+            continue
+        with held:
+            if skip_finished(run, os.path.join(results, run + '.eval.json'), planned(name, extra)):
+                continue   # the other process finished it between the two looks
+            t0 = time.time()
+            blocks = ('diag', 'offdiag') if regime not in SWEEPS and settings.get('gen_out') == 'full' else ()
+            result = train_and_evaluate(run, os.path.join(out_root, run), (), settings, cfg['max_iters'],
+                                        opts, results, f'{params[name]:,} parameters', blocks,
+                                        dict(commit=commit, variant=name, params=params[name], **extra),
+                                        may_diverge=regime in SWEEPS)
         print(f"done {run} in {time.time() - t0:.0f} s: val bpc {result['val_bpc']:.4f}", flush=True)
     summarized = [v for v in STUDY if v in variants or complete(v)]   # looked up now, after training
     if summarized != variants:

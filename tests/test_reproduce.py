@@ -152,6 +152,32 @@ def test_a_split_study_summarizes_what_the_other_process_finished(tmp_path, monk
     assert [(r['variant'], r['runs']) for r in rows] == [('mha', 2), ('damcha', 1)]
 
 
+def test_copies_of_one_command_share_its_runs(tmp_path, monkeypatch):
+    """A run another process holds (its claim.lock) is skipped, not trained twice nor refused; once
+    that process has let go, the next copy of the command trains it."""
+    lab_runs_in_process(monkeypatch)   # train_char.py --mode=config, which gives the settings
+    trained = []
+
+    def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, *rest, **kw):
+        trained.append(run)
+        write_run(pathlib.Path(results), run, 2.0, [(0, 3.0), (10, 2.0)])
+        return dict(val_bpc=2.0)
+    monkeypatch.setattr(reproduce, 'train_and_evaluate', train_and_evaluate)
+    (tmp_path / 'results' / 'lr').mkdir(parents=True)
+    (tmp_path / 'results' / 'lr' / 'summary.json').write_text(json.dumps(dict(chosen_lr=dict(mha=1e-3, damcha=2e-3))))
+    args = ['--study=2x2', '--regime=i', '--seeds=2', '--variants=mha,damcha', '--max_iters=4', '--n_layer=1',
+            '--n_embd=32', '--n_head=2', '--block_size=16', '--device=cpu', f"--out_root={tmp_path / 'out'}",
+            f"--data_dir={tmp_path / 'data'}", f"--results={tmp_path / 'results'}"]
+    other = reproduce.claim(str(tmp_path / 'out' / 'i' / 'damcha-seed1'))   # another process's
+    reproduce.main(args)
+    assert trained == ['mha-seed1', 'mha-seed2', 'damcha-seed2']
+    other.close()
+    reproduce.main(args)
+    assert trained[3:] == ['damcha-seed1']
+    rows = json.loads((tmp_path / 'results' / 'i' / 'summary.json').read_text())['rows']
+    assert [(r['variant'], r['runs']) for r in rows] == [('mha', 2), ('damcha', 2)]
+
+
 # The commands that wrote the committed results (README), each with its folder under results/
 COMMITTED = [('charlevel/shakespeare', ['--device=cpu']),
              ('study2x2/lr', ['--study=2x2', '--regime=lr', '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
