@@ -52,6 +52,7 @@ model, also evaluated with blocks=diag and offdiag).
     python lab/reproduce.py --study=2x2 --regime=iv --variants=mha,proj,damcha    # 1,860 iters, dropout 0.1
     python lab/reproduce.py --study=2x2 --regime=lr6000 --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3,8e-3
                                                        # the LR sweep at regime ii's 6,000 iterations
+    python lab/reproduce.py --study=2x2 --regime=ii_lr6000 --variants=mha,proj,damcha   # ii at lr6000's rates
     python lab/reproduce.py --study=2x2 --regime=lr_big --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3
     python lab/reproduce.py --study=2x2 --regime=big --variants=mha,proj,damcha --seeds=3   # D = 256, 6 layers
 Results under results/study2x2/<regime>/ (each eval JSON records the commit), checkpoints under
@@ -105,7 +106,8 @@ STUDY = dict(
 # regimes: "lr" the learning-rate sweep (one seed per rate, scored on a held-out slice of the training
 # split), "i" one pass over the training split (1,429,444 characters / (12 x 64) = 1,861 iterations),
 # "ii" about three passes with dropout 0.1; "iii" and "iv" complete the 2x2 of passes x dropout:
-# three passes without dropout, one pass with it; "lr6000" the sweep again at regime ii's schedule;
+# three passes without dropout, one pass with it; "lr6000" the sweep again at regime ii's schedule,
+# and "ii_lr6000" regime ii again at the rates it chose (SAME_AS: a run whose rate did not change is ii's);
 # "big" one step up in scale (BIG: ~3 passes in 2,800 iterations, dropout 0.1 as in regime ii) at the
 # rates of its own short sweep "lr_big" (one pass)
 BIG = dict(n_embd=256, n_head=8, n_layer=6, block_size=128)
@@ -116,7 +118,9 @@ REGIMES = dict(lr=dict(max_iters=1860, eval_interval=100), i=dict(max_iters=1860
                lr_big=dict(max_iters=930, eval_interval=100, dropout=0.1, **BIG),
                big=dict(max_iters=2800, eval_interval=200, dropout=0.1, **BIG))
 SWEEPS = ('lr', 'lr6000', 'lr_big')   # the regimes that sweep the rates
-RATES_FROM = dict(big='lr_big')   # the sweep whose rates a regime trains at; "lr" for the others
+RATES_FROM = dict(big='lr_big', ii_lr6000='lr6000')   # the sweep whose rates a regime trains at; "lr" for the others
+SAME_AS = dict(ii_lr6000='ii')   # a regime with another's settings: its finished run at the same rate and seed is this one's
+REGIMES |= {regime: REGIMES[other] for regime, other in SAME_AS.items()}
 # the run named by --snapshot also keeps its weights at these fractions of max_iters, in
 # <results>/snapshots/<run>/: notebooks/04 plots its learned metric over training from them
 SNAPSHOT_AT = (0, 0.025, 0.1, 0.3, 1)
@@ -284,6 +288,16 @@ def claim(out_dir):
         held.close()
         return None
     return held
+
+
+def same_run(eval_path, planned):
+    """Whether eval_path is a finished run's eval JSON that records this run's rate and seed, and
+    every other setting of planned that it records, as planned."""
+    if not os.path.exists(eval_path):
+        return False
+    result = read_json(eval_path)
+    return all(k in result for k in ('learning_rate', 'min_lr', 'seed')) and all(
+        result.get(k, v) == v for k, v in planned.items())
 
 
 def checkpoint_iter(out_dir):
@@ -777,6 +791,12 @@ def study(opts, passthrough):
     for run, name, extra in jobs_of(variants):
         settings = runs[name] | extra
         if skip_finished(run, os.path.join(results, run + '.eval.json'), planned(name, extra)):
+            continue
+        same = os.path.join(root, SAME_AS.get(regime, regime), run)
+        if regime in SAME_AS and same_run(same + '.eval.json', planned(name, extra)):
+            print(f"{run}: regime {SAME_AS[regime]}'s run had these settings; its results are copied", flush=True)
+            shutil.copyfile(same + '.log.jsonl', os.path.join(results, run + '.log.jsonl'))
+            shutil.copyfile(same + '.eval.json', os.path.join(results, run + '.eval.json'))   # last: it marks the run done
             continue
         held = claim(os.path.join(out_root, run))
         if held is None:

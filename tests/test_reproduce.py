@@ -178,6 +178,36 @@ def test_copies_of_one_command_share_its_runs(tmp_path, monkeypatch):
     assert [(r['variant'], r['runs']) for r in rows] == [('mha', 2), ('damcha', 2)]
 
 
+def test_regime_ii_again_at_the_rates_of_its_own_length_retrains_only_what_changed(tmp_path, monkeypatch):
+    """ii_lr6000 trains at lr6000's rates; a run of regime ii at the same rate and seed is that run
+    (copied with its log), one at another rate is trained."""
+    lab_runs_in_process(monkeypatch)   # train_char.py --mode=config, which gives the settings
+    trained = []
+
+    def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, *rest, **kw):
+        trained.append((run, settings['learning_rate']))
+        write_run(pathlib.Path(results), run, 2.0, [(0, 3.0), (10, 2.0)])
+        return dict(val_bpc=2.0)
+    monkeypatch.setattr(reproduce, 'train_and_evaluate', train_and_evaluate)
+    study = tmp_path / 'results'
+    for sweep, rates in (('lr', dict(mha=4e-3, proj=2e-3)), ('lr6000', dict(mha=4e-3, proj=4e-3))):
+        (study / sweep).mkdir(parents=True)
+        (study / sweep / 'summary.json').write_text(json.dumps(dict(chosen_lr=rates)))
+    (study / 'ii').mkdir()
+    for v, lr in (('mha', 4e-3), ('proj', 2e-3)):
+        (study / 'ii' / f'{v}-seed1.log.jsonl').write_text(json.dumps(dict(iter=0, time=0.0, val_bpc=3.0, val_loss=2.0, train_loss=2.0)) + '\n')
+        (study / 'ii' / f'{v}-seed1.eval.json').write_text(json.dumps(dict(val_bpc=2.5 if v == 'mha' else 2.4, iter=4, commit='ii',
+                                                                           learning_rate=lr, min_lr=lr / 10, seed=1)))
+    reproduce.main(['--study=2x2', '--regime=ii_lr6000', '--seeds=1', '--variants=mha,proj', '--max_iters=4', '--n_layer=1',
+                    '--n_embd=32', '--n_head=2', '--block_size=16', '--device=cpu', f"--out_root={tmp_path / 'out'}",
+                    f"--data_dir={tmp_path / 'data'}", f'--results={study}'])
+    assert trained == [('proj-seed1', 4e-3)]
+    copied = json.loads((study / 'ii_lr6000' / 'mha-seed1.eval.json').read_text())
+    assert copied['commit'] == 'ii' and copied['val_bpc'] == 2.5
+    rows = {r['variant']: r for r in json.loads((study / 'ii_lr6000' / 'summary.json').read_text())['rows']}
+    assert rows['proj']['lr'] == 4e-3 and rows['proj']['diff_equal_steps'][0] == pytest.approx(2.0 - 2.5)
+
+
 # The commands that wrote the committed results (README), each with its folder under results/
 COMMITTED = [('charlevel/shakespeare', ['--device=cpu']),
              ('study2x2/lr', ['--study=2x2', '--regime=lr', '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
