@@ -119,6 +119,9 @@ REGIMES = dict(lr=dict(max_iters=1860, eval_interval=100), i=dict(max_iters=1860
                big=dict(max_iters=2800, eval_interval=200, dropout=0.1, **BIG))
 SWEEPS = ('lr', 'lr6000', 'lr_big')   # the regimes that sweep the rates
 RATES_FROM = dict(big='lr_big', ii_lr6000='lr6000')   # the sweep whose rates a regime trains at; "lr" for the others
+# regimes whose runs were made two at a time beside other work: their wall-clock times are load, not
+# cost, so their summaries leave out the equal-wall-clock difference and the minutes (lab/bench.py times)
+SHARED_MACHINE = ('iii', 'iv', 'ii_lr6000', 'big')
 SAME_AS = dict(ii_lr6000='ii')   # a regime with another's settings: its finished run at the same rate and seed is this one's
 REGIMES |= {regime: REGIMES[other] for regime, other in SAME_AS.items()}
 # the run named by --snapshot also keeps its weights at these fractions of max_iters, in
@@ -586,7 +589,8 @@ def fmt_interval(mean, half):
 def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
     """Per variant: whole-val bpc, paired differences to MHA at equal steps and at equal wall-clock
     (each pair's val estimates from log.jsonl interpolated at the earlier finishing time), with 95%
-    t intervals, the train/val gap (last logged estimates) and the run time."""
+    t intervals, the train/val gap (last logged estimates) and the run time; a regime that ran on a
+    shared machine (SHARED_MACHINE) without the last two."""
     evals = read_evals(results)
     logs = {run: read_jsonl(os.path.join(results, run + '.log.jsonl')) for run in evals}
     rows = []
@@ -609,6 +613,8 @@ def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
                    diff_equal_steps=interval(steps), diff_equal_time=interval(clock),
                    gap_mean=mean_std(gaps)[0], minutes=mean_std([logs[f'{name}-seed{s}'][-1]['time'] / 60 for s in done])[0],
                    settings={k: v for k, v in runs[name].items() if k not in ('dataset', 'device')})
+        if regime in SHARED_MACHINE:
+            del row['diff_equal_time'], row['minutes']
         for b in ('diag', 'offdiag'):
             values = [evals[f'{name}-seed{s}'][f'val_bpc_{b}'] for s in done if f'val_bpc_{b}' in evals[f'{name}-seed{s}']]
             if values:
@@ -618,15 +624,20 @@ def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
     write_study_summary(os.path.join(results, 'summary.json'),
                         dict(regime=regime, seeds=seeds, commit=commit, run_commits=sorted({e['commit'] for e in evals.values()}),
                              rows=rows, contrasts=contrasts))
+    timed = regime not in SHARED_MACHINE
     lines = [f"2x2 study, regime {regime}: {REGIMES[regime]}; whole-val bpc, mean ± std over seeds; paired "
-             "differences to MHA (same seed, same batches) with 95% t intervals; equal time: each pair's val "
-             "estimates (log.jsonl) at the earlier finishing time; gap: val - train estimate at the end, bpc.", '',
-             '| variant | lr | params vs MHA | runs | val bpc | diff, equal steps | diff, equal time | gap | minutes |',
-             '|---|---|---|---|---|---|---|---|---|']
+             "differences to MHA (same seed, same batches) with 95% t intervals; "
+             + ("equal time: each pair's val estimates (log.jsonl) at the earlier finishing time; " if timed else
+                "no equal-time column: the runs shared the machine, so their times are load; ")
+             + "gap: val - train estimate at the end, bpc.", '',
+             '| variant | lr | params vs MHA | runs | val bpc | diff, equal steps | '
+             + ('diff, equal time | gap | minutes |' if timed else 'gap |'), '|---|---|---|---|---|---|' + '---|---|---|' * timed
+             + '---|' * (not timed)]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['lr']:g} | {r['rel_params_vs_mha']:+.2%} | {r['runs']} | "
                      f"{fmt(r['val_bpc_mean'], r['val_bpc_std'])} | {fmt_interval(*r['diff_equal_steps'])} | "
-                     f"{fmt_interval(*r['diff_equal_time'])} | {fmt(r['gap_mean'], None)} | {fmt(r['minutes'], None)} |")
+                     + (f"{fmt_interval(*r['diff_equal_time'])} | " if timed else '')
+                     + f"{fmt(r['gap_mean'], None)} |" + (f" {fmt(r['minutes'], None)} |" if timed else ''))
     if contrasts:
         lines += ['', 'The 2x2 read along its sides: paired differences (same seed, same batches) at equal steps, '
                   'val bpc, with 95% t intervals; negative: the first is better.', '',

@@ -543,6 +543,14 @@ def test_seed_summary_pairs_each_seed_with_mha(tmp_path, capsys):
     assert time_[0] == pytest.approx((0.55 + 0.0) / 2)
     assert damcha['gap_mean'] == pytest.approx(0.1 / math.log(2)) and damcha['minutes'] == pytest.approx(15 / 60)
     assert rows['mha']['diff_equal_steps'] == [0.0, 0.0]
+    # a regime whose runs shared the machine: its times are load, so no equal-time difference nor minutes
+    reproduce.seed_summary(variants, 2, {v: {} for v in variants}, {v: 100 for v in variants},
+                           {v: 1e-3 for v in variants}, str(tmp_path), 'iii', 'c')
+    rows = {r['variant']: r for r in json.loads((tmp_path / 'summary.json').read_text())['rows']}
+    assert 'diff_equal_time' not in rows['damcha'] and 'minutes' not in rows['damcha']
+    assert rows['damcha']['diff_equal_steps'][0] == pytest.approx(0.05)
+    table = (tmp_path / 'summary.md').read_text()
+    assert '| diff, equal steps | gap |' in table and 'equal time |' not in table
 
 
 def test_factor_effects_of_passes_and_dropout(tmp_path, capsys):
