@@ -213,7 +213,8 @@ COMMITTED = [('charlevel/shakespeare', ['--device=cpu']),
              ('study2x2/lr', ['--study=2x2', '--regime=lr', '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
              ('study2x2/i', ['--study=2x2', '--regime=i', '--device=cpu', '--snapshot=damcha_full-seed1']),
              ('study2x2/ii', ['--study=2x2', '--regime=ii', '--device=cpu']),
-             ('study2x2/iv', ['--study=2x2', '--regime=iv', '--variants=mha,proj,damcha', '--device=cpu'])]
+             ('study2x2/iv', ['--study=2x2', '--regime=iv', '--variants=mha,proj,damcha', '--device=cpu']),
+             ('study2x2/iii', ['--study=2x2', '--regime=iii', '--variants=mha,proj,damcha', '--device=cpu'])]
 
 
 @pytest.mark.slow
@@ -236,6 +237,9 @@ def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys, monkeypat
         if folder.startswith('study'):
             assert (where / 'summary.json').read_bytes() == open(os.path.join(committed, 'summary.json'), 'rb').read()
         assert (where / 'summary.md').read_text() == open(os.path.join(committed, 'summary.md')).read(), folder
+    for name in ('factors.json', 'factors.md'):   # the passes x dropout effects, which each seed regime writes
+        written = tmp_path / 'results' / 'study2x2' / name
+        assert written.read_bytes() == open(os.path.join(ROOT, 'results', 'study2x2', name), 'rb').read(), name
 
     # the same results asked for with other settings: refused, not summarized beside them
     charlevel = f"--results={tmp_path / 'results' / 'charlevel' / 'shakespeare'}"
