@@ -6,7 +6,7 @@ skipped (a row already started runs to its end), and no section starts a row pas
 --budget_total seconds from the start, the train rows included.
 
     python lab/bench_triton_gpu.py              # one CUDA GPU
-    python lab/bench_triton_gpu.py --smoke      # tiny shapes on the CPU through Triton's interpreter:
+    python lab/bench_triton_gpu.py --smoke      # tiny shapes, on a CPU through Triton's interpreter:
                                                 # checks that the script runs, measures nothing useful
     python lab/bench_triton_gpu.py --n_layer=4 --train_configs=config/enwik8.py,config/damcha.py
     python lab/bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --batch_size=32   # model rows alone
@@ -75,7 +75,7 @@ from lab.counts import count_params, equal_params_width, flops_per_token
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 METRICS = {"per_token": False, "static": True}
 DEFAULTS = dict(
-    smoke=False,                  # tiny shapes on the CPU, Triton's interpreter
+    smoke=False,                  # tiny shapes (on a CPU, through Triton's interpreter)
     n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=8,   # the GPT of the model rows
     gen_out='full',               # DAMCHA's generator output in the model rows (the shipped configs: folded)
     profile=True,                 # profile one step of each model row
@@ -447,12 +447,13 @@ def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
 
 def train_argv(config_files, iters, smoke, kernel, out_dir):
     """The train row's command: the config files on the bundled text, iters iterations; smoke: a
-    1-layer model on the CPU."""
+    1-layer model, uncompiled, on this script's device (on a GPU the kernels compile for it: a GPU's
+    torch may bring a Triton whose interpreter fails, results/gpu/)."""
     argv = [sys.executable, "train_char.py", *config_files, "--dataset=shakespeare", f"--max_iters={iters}",
             f"--lr_decay_iters={iters}", "--warmup_iters=0", f"--eval_interval={iters}", "--eval_iters=1",
             "--log_interval=10", "--max_new_tokens=50", f"--out_dir={out_dir}", f"--kernel={kernel}"]
     if smoke:
-        argv += ["--device=cpu", "--compile=False", "--n_layer=1", "--n_embd=32", "--n_head=2",
+        argv += [f"--device={DEVICE}", "--compile=False", "--n_layer=1", "--n_embd=32", "--n_head=2",
                  "--block_size=16", "--batch_size=2", "--dropout=0.0", "--gen_width=16"]
     return argv
 
@@ -466,7 +467,7 @@ def train_rows(config_files, iters, smoke, budget):
             emit(**row, skipped="time budget")
             continue
         with tempfile.TemporaryDirectory() as out_dir:
-            env = dict(os.environ, TRITON_INTERPRET="1") if smoke else os.environ
+            env = dict(os.environ, TRITON_INTERPRET="1") if DEVICE == "cpu" else os.environ
             start = time.time()
             try:    # a row that starts is given 2 minutes if the whole check's deadline allows
                 done = subprocess.run(train_argv(config_files, iters, smoke, kernel, out_dir), capture_output=True,
