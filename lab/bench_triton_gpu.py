@@ -36,10 +36,10 @@ Rows (kind=...), in order:
           the GPT at B=8, T=1024, D=768, H=12 (--batch_size, --block_size, --n_embd, --n_head,
           --n_layer, and DAMCHA's --gen_out): MHA, DAMCHA on the torch path and on Triton (its
           generator width giving MHA's parameter count), eager and torch.compile'd: ms per step,
-          tokens/s, MFU, peak memory, time to the end of the first step (compiling). Before
-          them, name=matmul: the MLP's first matmul alone, its TFLOP/s and MFU, the most the
-          model's largest matmuls reach; and name=grad_agreement: the bf16 gradients of the two
-          DAMCHA paths against each other.
+          the host's ms to launch one step (host_ms), tokens/s, MFU, peak memory, time to the end
+          of the first step (compiling). Before them, name=matmul: the MLP's first matmul alone,
+          its TFLOP/s and MFU, the most the model's largest matmuls reach; and
+          name=grad_agreement: the bf16 gradients of the two DAMCHA paths against each other.
   profile after all the model rows, budget allowing (--profile=False: none): one step of each
           under torch.profiler, its total device time and the kernels that took most of it (CPU
           time on a CPU), to say where one path's step is slower than another's.
@@ -364,10 +364,24 @@ def step_row(variant, idx, compiled, peak_flops):
     ms = time_ms(step, rep=1000)                         # tens of steps: a step is 20-100 ms
     tokens = idx.numel()
     flops = flops_per_token(model.config) * tokens / (ms / 1e3)
-    row = dict(ms_per_step=round(ms, 2), tokens_per_s=round(tokens / ms * 1e3),
+    row = dict(ms_per_step=round(ms, 2), host_ms=round(host_ms(step), 2), tokens_per_s=round(tokens / ms * 1e3),
                mfu=None if peak_flops is None else round(flops / peak_flops, 3),
                peak_mib=peak_mib(step), first_step_s=round(first_s, 1))
     return row, step
+
+
+def host_ms(step, n=5):
+    """Median ms the host takes to launch one step, from an idle GPU: the call returns once every
+    kernel is queued, not when they have run (it waits sooner only if the launch queue fills). A step
+    whose ms_per_step is about this, and well above its profile's device time, is bound by the host."""
+    times = []
+    for _ in range(n):
+        synchronize()
+        start = time.perf_counter()
+        step()
+        times.append(1e3 * (time.perf_counter() - start))
+    synchronize()
+    return sorted(times)[n // 2]
 
 
 def matmul_row(B, T, D, peak_flops):

@@ -347,6 +347,7 @@ def test_bench_triton_gpu_smoke():
     profiled = [row for row in rows if row["kind"] == "profile"]
     timed = [row for row in rows if row["kind"] == "model" and "ms_per_step" in row]
     assert [row["name"] for row in profiled] == [row["name"] for row in timed] and timed
+    assert all(0 < row["host_ms"] for row in timed)
     position = {id(row): i for i, row in enumerate(rows)}
     assert max(position[id(row)] for row in rows if row["kind"] == "model") < min(position[id(row)] for row in profiled)
     assert all(row["total_ms"] >= row["top"][0][1] > 0 for row in profiled)
