@@ -216,6 +216,8 @@ COMMITTED = [('charlevel/shakespeare', ['--device=cpu']),
              ('study2x2/iv', ['--study=2x2', '--regime=iv', '--variants=mha,proj,damcha', '--device=cpu']),
              ('study2x2/iii', ['--study=2x2', '--regime=iii', '--variants=mha,proj,damcha', '--device=cpu']),
              ('study2x2/lr6000', ['--study=2x2', '--regime=lr6000', '--variants=mha,proj,damcha',
+                                  '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
+             ('study2x2/lr_big', ['--study=2x2', '--regime=lr_big', '--variants=mha,proj,damcha',
                                   '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu'])]
 
 
