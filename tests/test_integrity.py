@@ -305,7 +305,8 @@ def test_sigterm_to_reproduce_stops_its_training_run_and_the_same_command_resume
     the out_dir. Stopped before the run's first checkpoint, its logs hold nothing to resume: the
     same command drops them, with a note, and trains the run again to the end (here in this
     process, its runs too: lab_runs_in_process)."""
-    args = ['lab/reproduce.py', '--seeds=1', '--variants=mha', '--max_iters=100', '--eval_interval=100',
+    # 2,000 iterations: an idle machine runs 100 of this model in 0.2 s, before the signal lands
+    args = ['lab/reproduce.py', '--seeds=1', '--variants=mha', '--max_iters=2000', '--eval_interval=2000',
             '--log_interval=5', '--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=4',
             '--max_new_tokens=5', '--device=cpu', f"--results={tmp_path / 'results'}", f"--out_root={tmp_path / 'out'}",
             f"--data_dir={tmp_path / 'data'}"]
@@ -324,7 +325,7 @@ def test_sigterm_to_reproduce_stops_its_training_run_and_the_same_command_resume
     capsys.readouterr()
     reproduce.main(args[1:])
     assert 'note: mha-seed1 was stopped before its first checkpoint' in capsys.readouterr().out
-    assert [e['iter'] for e in read_jsonl(out / 'train_log.jsonl')] == list(range(100))
+    assert [e['iter'] for e in read_jsonl(out / 'train_log.jsonl')] == list(range(2000))
 
 
 def test_an_output_encoding_without_a_characters_never_fails_a_finished_run(tmp_path, data_dir, monkeypatch):
