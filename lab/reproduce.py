@@ -731,35 +731,43 @@ def factor_effects(root):
     print('\n'.join(lines))
 
 
-# one step up in scale: the small model's regime and the larger one's, both about three passes with dropout 0.1
-SCALES = dict(ii='D = 128, 4 layers, context 64', big='D = 256, 6 layers, context 128')
+# regime ii's differences to MHA, changed in one thing: the rates chosen at its own length (ii_lr6000,
+# the same seeds: the same initialisation and batches, so paired), or the model's size (big, its own seeds)
+CHANGES = dict(ii_lr6000='rates chosen at 6,000 iterations', big='D = 256, 6 layers, context 128')
 
 
-def scale_effects(root):
-    """Whether each variant's difference to MHA (same seed) grows or shrinks from the small model
-    (regime ii) to the larger one (regime big): the difference of the two regimes' mean differences,
-    with Welch's 95% t interval (the regimes' runs are independent, and their seed counts differ).
-    Writes scale.md and scale.json under root once each regime has a seed of the variant and MHA."""
-    evals = {r: read_evals(os.path.join(root, r)) for r in SCALES}
+def changes_from_ii(root):
+    """Whether each variant's difference to MHA (same seed) moves from regime ii when the rates are
+    chosen at regime ii's length (ii_lr6000: same seeds, so the per-seed change, with its paired 95% t
+    interval) or when the model is larger (big: other runs, so the difference of the two regimes'
+    means, with Welch's 95% t interval). Writes changes.md and changes.json under root once regime ii
+    and one of the others have a seed of the variant and MHA."""
+    evals = {r: read_evals(os.path.join(root, r)) for r in ('ii', *CHANGES)}
     rows = []
     for name in ('proj', 'damcha'):
-        d = {r: [evals[r][f'{name}-seed{s}']['val_bpc'] - evals[r][f'mha-seed{s}']['val_bpc'] for s in seeds_in(evals)
-                 if f'{name}-seed{s}' in evals[r] and f'mha-seed{s}' in evals[r]] for r in SCALES}
-        if all(d.values()):
-            rows.append(dict(variant=name, diffs=d, cells={r: interval(d[r]) for r in SCALES},
-                             change=welch_interval(d['big'], d['ii'])))
+        d = {r: {s: evals[r][f'{name}-seed{s}']['val_bpc'] - evals[r][f'mha-seed{s}']['val_bpc'] for s in seeds_in(evals)
+                 if f'{name}-seed{s}' in evals[r] and f'mha-seed{s}' in evals[r]} for r in evals}
+        if not d['ii'] or not any(d[r] for r in CHANGES):
+            continue
+        change = dict(ii_lr6000=interval([d['ii_lr6000'][s] - d['ii'][s] for s in d['ii_lr6000'] if s in d['ii']]),
+                      big=welch_interval(list(d['big'].values()), list(d['ii'].values())) if d['big'] else (None, None))
+        rows.append(dict(variant=name, diffs={r: list(v.values()) for r, v in d.items()},
+                         cells={r: interval(list(v.values())) for r, v in d.items()}, change=change))
     if not rows:
         return
-    write_study_summary(os.path.join(root, 'scale.json'), dict(scales=SCALES, rows=rows, commit=git_commit()))
-    lines = ['One step up in scale, both after about three passes with dropout 0.1: whole-val bpc of each variant '
-             'minus MHA\'s at the same seed, with 95% t intervals, and its change from the small model to the '
-             'larger one (Welch\'s 95% t interval). Negative change: the larger model favours the variant more.', '',
-             '| variant | ' + ' | '.join(f'{r} ({size}): seeds, difference' for r, size in SCALES.items()) + ' | change |',
-             '|---|' + '---|' * (len(SCALES) + 1)]
-    lines += [f"| {row['variant']} - mha | " + ' | '.join(f"{len(row['diffs'][r])}, {fmt_interval(*row['cells'][r])}"
-                                                          for r in SCALES) + f" | {fmt_interval(*row['change'])} |"
+    write_study_summary(os.path.join(root, 'changes.json'), dict(changes=CHANGES, rows=rows, commit=git_commit()))
+    cell = lambda diffs, mean_half: f"{len(diffs)}, {fmt_interval(*mean_half)}" if diffs else ''
+    lines = ['Regime ii (about three passes with dropout 0.1) changed in one thing: whole-val bpc of each variant minus '
+             'MHA\'s at the same seed, with 95% t intervals (seeds, difference), and its change from regime ii: '
+             'ii_lr6000 per seed (paired), big as the difference of the means (Welch). Negative change: the change '
+             'favours the variant more.', '',
+             '| variant | ii | ' + ' | '.join(f'{r} ({what}) | change' for r, what in CHANGES.items()) + ' |',
+             '|---|---|' + '---|---|' * len(CHANGES)]
+    lines += [f"| {row['variant']} - mha | {cell(row['diffs']['ii'], row['cells']['ii'])} | "
+              + ' | '.join(f"{cell(row['diffs'][r], row['cells'][r])} | "
+                           + (fmt_interval(*row['change'][r]) if row['diffs'][r] else '') for r in CHANGES) + ' |'
               for row in rows]
-    with open(os.path.join(root, 'scale.md'), 'w') as f:
+    with open(os.path.join(root, 'changes.md'), 'w') as f:
         f.write('\n'.join(lines) + '\n')
     print('\n'.join(lines))
 
@@ -835,7 +843,7 @@ def study(opts, passthrough):
     else:
         seed_summary(summarized, opts['seeds'], runs, params, rates, results, regime, commit)
         factor_effects(root)
-        scale_effects(root)
+        changes_from_ii(root)
 
 
 def main(argv):

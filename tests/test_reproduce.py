@@ -617,22 +617,25 @@ def test_welch_interval_of_two_independent_samples():
     assert reproduce.welch_interval([2.0], [1.0, 2.0]) == (pytest.approx(0.5), None)
 
 
-def test_scale_effects_compare_the_larger_model_with_regime_ii(tmp_path):
-    """Each variant's difference to MHA in regime ii (5 seeds) and in regime big (3), and the change
-    between them; nothing is written before both regimes have a seed of the variant and MHA."""
-    for regime, seeds, diff in (('ii', 5, -0.02), ('big', 3, -0.05)):
-        (tmp_path / regime).mkdir()
-        for s in range(1, seeds + 1):
-            for v, bpc in (('mha', 2.3 + 0.01 * s), ('proj', 2.3 + 0.01 * s + diff + 0.002 * s)):
+def test_changes_from_ii_pair_the_rates_by_seed_and_compare_the_scales_unpaired(tmp_path):
+    """Each variant's difference to MHA in regime ii (5 seeds), at the rates of the longer sweep (3 of
+    the same seeds: their change is paired) and in the larger model (3 seeds of its own: the change of
+    the means, Welch); nothing is written before regime ii and another have a seed of the variant and MHA."""
+    def write(regime, diffs):
+        (tmp_path / regime).mkdir(exist_ok=True)
+        for s, diff in enumerate(diffs, 1):
+            for v, bpc in (('mha', 2.3 + 0.01 * s), ('proj', 2.3 + 0.01 * s + diff)):
                 (tmp_path / regime / f'{v}-seed{s}.eval.json').write_text(json.dumps(dict(val_bpc=bpc, commit='c')))
-    reproduce.scale_effects(str(tmp_path))
-    [row] = json.loads((tmp_path / 'scale.json').read_text())['rows']
-    assert row['variant'] == 'proj' and len(row['diffs']['ii']) == 5 and len(row['diffs']['big']) == 3
-    assert row['change'][0] == pytest.approx((-0.05 + 0.004) - (-0.02 + 0.006))
-    assert row['change'][1] > 0
-    assert '| proj - mha | 5, ' in (tmp_path / 'scale.md').read_text()
-    for f in (tmp_path / 'big').iterdir():
-        f.unlink()
-    (tmp_path / 'scale.json').unlink()
-    reproduce.scale_effects(str(tmp_path))
-    assert not (tmp_path / 'scale.json').exists()
+    write('ii', [-0.020, -0.030, -0.010, -0.025, -0.015])
+    reproduce.changes_from_ii(str(tmp_path))
+    assert not (tmp_path / 'changes.json').exists()
+    write('ii_lr6000', [0.010, -0.010, 0.020])
+    write('big', [-0.050, -0.040, -0.060])
+    reproduce.changes_from_ii(str(tmp_path))
+    [row] = json.loads((tmp_path / 'changes.json').read_text())['rows']
+    assert row['variant'] == 'proj' and [len(row['diffs'][r]) for r in ('ii', 'ii_lr6000', 'big')] == [5, 3, 3]
+    per_seed = [0.010 + 0.020, -0.010 + 0.030, 0.020 + 0.010]       # ii_lr6000 - ii, seed by seed
+    assert row['change']['ii_lr6000'] == pytest.approx(list(reproduce.interval(per_seed)))
+    assert row['change']['big'] == pytest.approx([-0.050 - (-0.020), reproduce.welch_interval(
+        [-0.050, -0.040, -0.060], [-0.020, -0.030, -0.010, -0.025, -0.015])[1]])
+    assert '| proj - mha | 5, -0.0200 [' in (tmp_path / 'changes.md').read_text()
