@@ -33,8 +33,11 @@ def entropy_bits(A):
 
 def compare_plot(by_variant, variants, colors):
     """Three panels: each seed's whole-val bpc and the mean; the paired difference to MHA with its 95% t
-    interval at equal steps; the same at equal wall-clock (its own scale: those intervals are wider)."""
-    fig, (left, steps, clock) = plt.subplots(1, 3, figsize=(13, 3.8), gridspec_kw=dict(width_ratios=[1.2, 1, 1]))
+    interval at equal steps; the same at equal wall-clock (its own scale: those intervals are wider), left
+    out for a regime whose runs shared the machine, whose summary has no such column."""
+    timed = all("diff_equal_time" in by_variant[v] for v in variants)
+    fig, (left, *diffs) = plt.subplots(1, 2 + timed, figsize=(9 + 4 * timed, 3.8),
+                                       gridspec_kw=dict(width_ratios=[1.2] + [1] * (1 + timed)))
     for k, v in enumerate(variants):
         r = by_variant[v]
         left.scatter([k] * len(r["val_bpc"]), r["val_bpc"], color=colors[v], s=18)
@@ -42,15 +45,15 @@ def compare_plot(by_variant, variants, colors):
     left.set_xticks(range(len(variants)), variants, rotation=20)
     left.set(ylabel="whole-val bpc", title="each seed, and the mean")
     others = [v for v in variants if v != "mha"]
-    for ax, key, title in ((steps, "diff_equal_steps", "at equal steps"), (clock, "diff_equal_time", "at equal wall-clock")):
+    for ax, key, title in zip(diffs, ("diff_equal_steps", "diff_equal_time"), ("at equal steps", "at equal wall-clock")):
         for k, v in enumerate(others):
             mean, half = by_variant[v][key]
             ax.errorbar([k], [mean], yerr=None if half is None else [[half], [half]], fmt="o", color=colors[v], capsize=3)
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks(range(len(others)), others, rotation=20)
         ax.set(title=f"minus MHA, {title}, 95% t interval")
-    steps.set_ylabel("bpc minus MHA's (negative: better)")
-    for ax in (left, steps, clock):
+    diffs[0].set_ylabel("bpc minus MHA's (negative: better)")
+    for ax in (left, *diffs):
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
 
@@ -97,3 +100,28 @@ def factors_plot(factors, colors):
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("whole-val bpc minus MHA's (negative: better)")
     fig.tight_layout()
+
+
+def regimes_plot(by_regime, variants, colors):
+    """Each variant's paired difference to MHA, with its 95% t interval, regime by regime
+    ({label: {variant: summary row}}): one column per regime, the variants side by side in it."""
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    for n, v in enumerate(variants):
+        shift = 0.12 * (n - (len(variants) - 1) / 2)
+        shown = [(k, rows[v]["diff_equal_steps"]) for k, rows in enumerate(by_regime.values()) if v in rows]
+        for k, (mean, half) in shown:
+            ax.errorbar([k + shift], [mean], yerr=None if half is None else [[half], [half]], fmt="o",
+                        color=colors[v], capsize=3, label=v if k == shown[0][0] else None)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(by_regime)), list(by_regime))
+    ax.set_xlim(-0.5, len(by_regime) - 0.5)
+    ax.set(ylabel="whole-val bpc minus MHA's (negative: better)",
+           title="the difference to MHA, same seeds, 95% t intervals")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+
+
+def fmt_interval(mean, half):
+    """'+0.0123 [-0.0040, +0.0286]': a mean and its 95% interval; the mean alone from one seed."""
+    return f"{mean:+.4f}" + ("" if half is None else f" [{mean - half:+.4f}, {mean + half:+.4f}]")
