@@ -218,7 +218,8 @@ COMMITTED = [('charlevel/shakespeare', ['--device=cpu']),
              ('study2x2/lr6000', ['--study=2x2', '--regime=lr6000', '--variants=mha,proj,damcha',
                                   '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
              ('study2x2/lr_big', ['--study=2x2', '--regime=lr_big', '--variants=mha,proj,damcha',
-                                  '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu'])]
+                                  '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
+             ('study2x2/ii_lr6000', ['--study=2x2', '--regime=ii_lr6000', '--variants=mha,proj,damcha', '--device=cpu'])]
 
 
 @pytest.mark.slow
@@ -241,7 +242,7 @@ def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys, monkeypat
         if folder.startswith('study'):
             assert (where / 'summary.json').read_bytes() == open(os.path.join(committed, 'summary.json'), 'rb').read()
         assert (where / 'summary.md').read_text() == open(os.path.join(committed, 'summary.md')).read(), folder
-    for name in ('factors.json', 'factors.md'):   # the passes x dropout effects, which each seed regime writes
+    for name in ('factors.json', 'factors.md', 'changes.json', 'changes.md'):   # which each seed regime writes
         written = tmp_path / 'results' / 'study2x2' / name
         assert written.read_bytes() == open(os.path.join(ROOT, 'results', 'study2x2', name), 'rb').read(), name
 
