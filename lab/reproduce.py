@@ -737,33 +737,35 @@ CHANGES = dict(ii_lr6000='rates chosen at 6,000 iterations', big='D = 256, 6 lay
 
 
 def changes_from_ii(root):
-    """Whether each variant's difference to MHA (same seed) moves from regime ii when the rates are
-    chosen at regime ii's length (ii_lr6000: same seeds, so the per-seed change, with its paired 95% t
-    interval) or when the model is larger (big: other runs, so the difference of the two regimes'
-    means, with Welch's 95% t interval). Writes changes.md and changes.json under root once regime ii
-    and one of the others have a seed of the variant and MHA."""
+    """Whether each contrast (a variant's bpc minus another's at the same seed) moves from regime ii when
+    the rates are chosen at regime ii's length (ii_lr6000: same seeds, so the per-seed change, with its
+    paired 95% t interval) or when the model is larger (big: other runs, so the difference of the two
+    regimes' means, with Welch's 95% t interval). damcha - proj is the own slice's cost with the adaptive
+    metric on both sides, free of MHA's seeds. Writes changes.md and changes.json under root once regime
+    ii and one of the others have a seed of both sides."""
     evals = {r: read_evals(os.path.join(root, r)) for r in ('ii', *CHANGES)}
     rows = []
-    for name in ('proj', 'damcha'):
-        d = {r: {s: evals[r][f'{name}-seed{s}']['val_bpc'] - evals[r][f'mha-seed{s}']['val_bpc'] for s in seeds_in(evals)
-                 if f'{name}-seed{s}' in evals[r] and f'mha-seed{s}' in evals[r]} for r in evals}
+    for first, second in (('proj', 'mha'), ('damcha', 'mha'), ('damcha', 'proj')):
+        d = {r: {s: evals[r][f'{first}-seed{s}']['val_bpc'] - evals[r][f'{second}-seed{s}']['val_bpc']
+                 for s in seeds_in(evals) if f'{first}-seed{s}' in evals[r] and f'{second}-seed{s}' in evals[r]}
+             for r in evals}
         if not d['ii'] or not any(d[r] for r in CHANGES):
             continue
         change = dict(ii_lr6000=interval([d['ii_lr6000'][s] - d['ii'][s] for s in d['ii_lr6000'] if s in d['ii']]),
                       big=welch_interval(list(d['big'].values()), list(d['ii'].values())) if d['big'] else (None, None))
-        rows.append(dict(variant=name, diffs={r: list(v.values()) for r, v in d.items()},
+        rows.append(dict(contrast=f'{first} - {second}', diffs={r: list(v.values()) for r, v in d.items()},
                          cells={r: interval(list(v.values())) for r, v in d.items()}, change=change))
     if not rows:
         return
     write_study_summary(os.path.join(root, 'changes.json'), dict(changes=CHANGES, rows=rows, commit=git_commit()))
     cell = lambda diffs, mean_half: f"{len(diffs)}, {fmt_interval(*mean_half)}" if diffs else ''
-    lines = ['Regime ii (about three passes with dropout 0.1) changed in one thing: whole-val bpc of each variant minus '
-             'MHA\'s at the same seed, with 95% t intervals (seeds, difference), and its change from regime ii: '
+    lines = ['Regime ii (about three passes with dropout 0.1) changed in one thing: whole-val bpc of one variant minus '
+             'another\'s at the same seed, with 95% t intervals (seeds, difference), and its change from regime ii: '
              'ii_lr6000 per seed (paired), big as the difference of the means (Welch). Negative change: the change '
-             'favours the variant more.', '',
-             '| variant | ii | ' + ' | '.join(f'{r} ({what}) | change' for r, what in CHANGES.items()) + ' |',
+             'favours the first variant more.', '',
+             '| contrast | ii | ' + ' | '.join(f'{r} ({what}) | change' for r, what in CHANGES.items()) + ' |',
              '|---|---|' + '---|---|' * len(CHANGES)]
-    lines += [f"| {row['variant']} - mha | {cell(row['diffs']['ii'], row['cells']['ii'])} | "
+    lines += [f"| {row['contrast']} | {cell(row['diffs']['ii'], row['cells']['ii'])} | "
               + ' | '.join(f"{cell(row['diffs'][r], row['cells'][r])} | "
                            + (fmt_interval(*row['change'][r]) if row['diffs'][r] else '') for r in CHANGES) + ' |'
               for row in rows]

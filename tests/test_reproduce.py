@@ -219,7 +219,8 @@ COMMITTED = [('charlevel/shakespeare', ['--device=cpu']),
                                   '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
              ('study2x2/lr_big', ['--study=2x2', '--regime=lr_big', '--variants=mha,proj,damcha',
                                   '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
-             ('study2x2/ii_lr6000', ['--study=2x2', '--regime=ii_lr6000', '--variants=mha,proj,damcha', '--device=cpu'])]
+             ('study2x2/ii_lr6000', ['--study=2x2', '--regime=ii_lr6000', '--variants=mha,proj,damcha', '--device=cpu']),
+             ('study2x2/big', ['--study=2x2', '--regime=big', '--variants=mha,proj,damcha', '--seeds=3', '--device=cpu'])]
 
 
 @pytest.mark.slow
@@ -619,13 +620,13 @@ def test_welch_interval_of_two_independent_samples():
 
 
 def test_changes_from_ii_pair_the_rates_by_seed_and_compare_the_scales_unpaired(tmp_path):
-    """Each variant's difference to MHA in regime ii (5 seeds), at the rates of the longer sweep (3 of
-    the same seeds: their change is paired) and in the larger model (3 seeds of its own: the change of
-    the means, Welch); nothing is written before regime ii and another have a seed of the variant and MHA."""
-    def write(regime, diffs):
+    """Each contrast in regime ii (5 seeds), at the rates of the longer sweep (3 of the same seeds: their
+    change is paired) and in the larger model (3 seeds of its own: the change of the means, Welch);
+    nothing is written before regime ii and another have a seed of both sides of a contrast."""
+    def write(regime, diffs, variants=('mha', 'proj')):
         (tmp_path / regime).mkdir(exist_ok=True)
         for s, diff in enumerate(diffs, 1):
-            for v, bpc in (('mha', 2.3 + 0.01 * s), ('proj', 2.3 + 0.01 * s + diff)):
+            for v, bpc in zip(variants, (2.3 + 0.01 * s, 2.3 + 0.01 * s + diff)):
                 (tmp_path / regime / f'{v}-seed{s}.eval.json').write_text(json.dumps(dict(val_bpc=bpc, commit='c')))
     write('ii', [-0.020, -0.030, -0.010, -0.025, -0.015])
     reproduce.changes_from_ii(str(tmp_path))
@@ -634,9 +635,19 @@ def test_changes_from_ii_pair_the_rates_by_seed_and_compare_the_scales_unpaired(
     write('big', [-0.050, -0.040, -0.060])
     reproduce.changes_from_ii(str(tmp_path))
     [row] = json.loads((tmp_path / 'changes.json').read_text())['rows']
-    assert row['variant'] == 'proj' and [len(row['diffs'][r]) for r in ('ii', 'ii_lr6000', 'big')] == [5, 3, 3]
+    assert row['contrast'] == 'proj - mha' and [len(row['diffs'][r]) for r in ('ii', 'ii_lr6000', 'big')] == [5, 3, 3]
     per_seed = [0.010 + 0.020, -0.010 + 0.030, 0.020 + 0.010]       # ii_lr6000 - ii, seed by seed
     assert row['change']['ii_lr6000'] == pytest.approx(list(reproduce.interval(per_seed)))
     assert row['change']['big'] == pytest.approx([-0.050 - (-0.020), reproduce.welch_interval(
         [-0.050, -0.040, -0.060], [-0.020, -0.030, -0.010, -0.025, -0.015])[1]])
     assert '| proj - mha | 5, -0.0200 [' in (tmp_path / 'changes.md').read_text()
+
+    # damcha's seeds against MHA's give damcha - proj as damcha's bpc minus proj's, seed by seed
+    write('ii', [0.10, 0.12, 0.08, 0.11, 0.09], variants=('mha', 'damcha'))
+    write('big', [0.10, 0.12, 0.08], variants=('mha', 'damcha'))
+    reproduce.changes_from_ii(str(tmp_path))
+    rows = {r['contrast']: r for r in json.loads((tmp_path / 'changes.json').read_text())['rows']}
+    assert list(rows) == ['proj - mha', 'damcha - mha', 'damcha - proj']
+    assert rows['damcha - proj']['diffs']['big'] == pytest.approx([0.150, 0.160, 0.140])
+    assert rows['damcha - proj']['diffs']['ii_lr6000'] == []
+    assert '| damcha - proj | 5, +0.1200 [' in (tmp_path / 'changes.md').read_text()
