@@ -53,7 +53,7 @@ model, also evaluated with blocks=diag and offdiag).
     python lab/reproduce.py --study=2x2 --regime=lr6000 --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3,8e-3
                                                        # the LR sweep at regime ii's 6,000 iterations
     python lab/reproduce.py --study=2x2 --regime=ii_lr6000 --variants=mha,proj,damcha   # ii at lr6000's rates
-    python lab/reproduce.py --study=2x2 --regime=lr_big --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3
+    python lab/reproduce.py --study=2x2 --regime=lr_big --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3,8e-3
     python lab/reproduce.py --study=2x2 --regime=big --variants=mha,proj,damcha --seeds=3   # D = 256, 6 layers
 Results under results/study2x2/<regime>/ (each eval JSON records the commit), checkpoints under
 out-study/2x2/<regime>/; finished runs are skipped, so each command resumes; copies of one command
