@@ -759,8 +759,9 @@ def changes_from_ii(root):
         return
     write_study_summary(os.path.join(root, 'changes.json'), dict(changes=CHANGES, rows=rows, commit=git_commit()))
     cell = lambda diffs, mean_half: f"{len(diffs)}, {fmt_interval(*mean_half)}" if diffs else ''
-    lines = ['Regime ii (about three passes with dropout 0.1) changed in one thing: whole-val bpc of one variant minus '
-             'another\'s at the same seed, with 95% t intervals (seeds, difference), and its change from regime ii: '
+    lines = ['Regime ii (about three passes with dropout 0.1) changed in its rates (ii_lr6000) or in its model size '
+             '(big, at the rates of its own sweep): whole-val bpc of one variant minus another\'s at the same seed, '
+             'with 95% t intervals (seeds, difference), and its change from regime ii: '
              'ii_lr6000 per seed (paired), big as the difference of the means (Welch). Negative change: the change '
              'favours the first variant more.', '',
              '| contrast | ii | ' + ' | '.join(f'{r} ({what}) | change' for r, what in CHANGES.items()) + ' |',

@@ -650,4 +650,6 @@ def test_changes_from_ii_pair_the_rates_by_seed_and_compare_the_scales_unpaired(
     assert list(rows) == ['proj - mha', 'damcha - mha', 'damcha - proj']
     assert rows['damcha - proj']['diffs']['big'] == pytest.approx([0.150, 0.160, 0.140])
     assert rows['damcha - proj']['diffs']['ii_lr6000'] == []
+    assert rows['damcha - proj']['change']['big'] == pytest.approx(list(reproduce.welch_interval(
+        [0.150, 0.160, 0.140], [0.120, 0.150, 0.090, 0.135, 0.105])))
     assert '| damcha - proj | 5, +0.1200 [' in (tmp_path / 'changes.md').read_text()
