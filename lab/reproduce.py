@@ -731,8 +731,8 @@ def factor_effects(root):
     print('\n'.join(lines))
 
 
-# regime ii's differences to MHA, changed in one thing: the rates chosen at its own length (ii_lr6000,
-# the same seeds: the same initialisation and batches, so paired), or the model's size (big, its own seeds)
+# regime ii changed in one thing: the rates chosen at its own length (ii_lr6000, regime ii again by
+# SAME_AS: the same seeds, initialisation and batches, so its changes are paired), or the model's size (big)
 CHANGES = dict(ii_lr6000='rates chosen at 6,000 iterations', big='D = 256, 6 layers, context 128')
 
 
@@ -751,8 +751,9 @@ def changes_from_ii(root):
              for r in evals}
         if not d['ii'] or not any(d[r] for r in CHANGES):
             continue
-        change = dict(ii_lr6000=interval([d['ii_lr6000'][s] - d['ii'][s] for s in d['ii_lr6000'] if s in d['ii']]),
-                      big=welch_interval(list(d['big'].values()), list(d['ii'].values())) if d['big'] else (None, None))
+        change = {r: interval([d[r][s] - d['ii'][s] for s in d[r] if s in d['ii']]) if SAME_AS.get(r) == 'ii'
+                  else welch_interval(list(d[r].values()), list(d['ii'].values())) if d[r] else (None, None)
+                  for r in CHANGES}
         rows.append(dict(contrast=f'{first} - {second}', diffs={r: list(v.values()) for r, v in d.items()},
                          cells={r: interval(list(v.values())) for r, v in d.items()}, change=change))
     if not rows:

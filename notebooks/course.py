@@ -31,6 +31,11 @@ def entropy_bits(A):
 
 # ---- notebook 05: the 2x2 study's plots -------------------------------------------------------
 
+def half_bar(half):
+    """An interval's half-width as matplotlib's xerr/yerr of one point; none for a single seed."""
+    return None if half is None else [[half], [half]]
+
+
 def compare_plot(by_variant, variants, colors):
     """Three panels: each seed's whole-val bpc and the mean; the paired difference to MHA with its 95% t
     interval at equal steps; the same at equal wall-clock (its own scale: those intervals are wider), left
@@ -48,7 +53,7 @@ def compare_plot(by_variant, variants, colors):
     for ax, key, title in zip(diffs, ("diff_equal_steps", "diff_equal_time"), ("at equal steps", "at equal wall-clock")):
         for k, v in enumerate(others):
             mean, half = by_variant[v][key]
-            ax.errorbar([k], [mean], yerr=None if half is None else [[half], [half]], fmt="o", color=colors[v], capsize=3)
+            ax.errorbar([k], [mean], yerr=half_bar(half), fmt="o", color=colors[v], capsize=3)
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks(range(len(others)), others, rotation=20)
         ax.set(title=f"minus MHA, {title}, 95% t interval")
@@ -67,7 +72,7 @@ def sides_plot(summaries, colors):
         for c in summary["contrasts"]:
             k = names.index(c["contrast"]) + 0.2 * (n - (len(summaries) - 1) / 2)
             mean, half = c["diff"]
-            ax.errorbar([mean], [k], xerr=None if half is None else [[half], [half]], fmt="os"[n % 2],
+            ax.errorbar([mean], [k], xerr=half_bar(half), fmt="os"[n % 2],
                         color=colors.get(c["first"], "k"), mfc="white" if n else None, capsize=3)
     ax.axvline(0, color="k", lw=0.8)
     ax.set_yticks(range(len(names)), [n.replace("interaction: ", "interaction:\n") for n in names], fontsize=9)
@@ -110,7 +115,7 @@ def regimes_plot(by_regime, variants, colors):
         shift = 0.12 * (n - (len(variants) - 1) / 2)
         shown = [(k, rows[v]["diff_equal_steps"]) for k, rows in enumerate(by_regime.values()) if v in rows]
         for k, (mean, half) in shown:
-            ax.errorbar([k + shift], [mean], yerr=None if half is None else [[half], [half]], fmt="o",
+            ax.errorbar([k + shift], [mean], yerr=half_bar(half), fmt="o",
                         color=colors[v], capsize=3, label=v if k == shown[0][0] else None)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(by_regime)), list(by_regime))
