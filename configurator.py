@@ -7,75 +7,16 @@ configure(defaults, sys.argv[1:]); each argument, in order, overrides what came 
     --flag                short for --flag=True, for settings whose default is a bool
     --help                the script's docstring, then every setting, its default and the comment
                           beside that default in the script's source (describe)
-Bad input ends the program with one line on stderr (die), never a traceback. The scripts meet the
-shell alike here too: a closed pipe, SIGTERM and SIGHUP taken as Ctrl-C, an output encoding that
-lacks a character, JSON without NaN.
+Bad input ends the program with one line on stderr (shell.die), never a traceback; the settings of
+a run, given or saved in a checkpoint, are checked alike (settings_problem).
 """
 import ast
 import difflib
-import io
-import json
 import math
 import os
 import re
-import signal
-import sys
-from contextlib import contextmanager
 
-
-def die(message):
-    """Bad input ends here: one line on stderr, exit status 1, no traceback."""
-    raise SystemExit('error: ' + ' '.join(str(message).split()))
-
-
-def pipe_closed():
-    """stdout's reader went away (`... | head`): not an error. stdout goes to /dev/null, so the last
-    flush is quiet too, and the exit status is that of a process SIGPIPE ended, as any Unix tool's."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    raise SystemExit(128 + 13)
-
-
-def tolerant_stdout():
-    """stdout writes '?' for a character its encoding lacks (a C locale) rather than failing, say, a
-    finished run on the sample it prints."""
-    if isinstance(sys.stdout, io.TextIOWrapper):
-        sys.stdout.reconfigure(errors='replace')
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP (args: its number), raised where Ctrl-C would be, to stop a run alike."""
-
-
-@contextmanager
-def signals_as_ctrl_c():
-    """SIGTERM (kill) and SIGHUP (a closed terminal) stop the block as Ctrl-C does, saying where; a
-    second signal while stopping is ignored."""
-    def stop(signum, frame):
-        for s in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_IGN)
-        raise Interrupted(signum)
-    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
-def exit_status(e):
-    """A shell's status for a process that a signal stopped: 128 + its number (Ctrl-C: 130)."""
-    return 128 + (e.args[0] if isinstance(e, Interrupted) else signal.SIGINT)
-
-
-def to_json(obj, **kwargs):
-    """obj as JSON, a non-finite number as null: JSON has no NaN, which a strict reader would refuse."""
-    def finite(o):
-        if isinstance(o, float) and not math.isfinite(o):
-            return None
-        if isinstance(o, (list, tuple)):
-            return [finite(v) for v in o]
-        return {k: finite(v) for k, v in o.items()} if isinstance(o, dict) else o
-    return json.dumps(finite(obj), allow_nan=False, **kwargs)
+from shell import die, pipe_closed
 
 
 def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=None, described_in=None):
@@ -187,3 +128,26 @@ def typed(key, value, want, from_text):
         die(f"{key} must be a finite number, not {value}")
     return value
 
+
+def settings_problem(cfg, ranges):
+    """What is wrong with a run's settings, in one line, or None; those given and those a checkpoint
+    saved are checked alike. ranges = (choices, positive, non_negative) as configure() takes them;
+    out_dir names a folder (several, comma-separated, for a plot); the seed is one torch and numpy
+    both take; Adam's rates, in a script that has them."""
+    wrong = problem(cfg, *ranges)
+    if wrong:
+        return wrong
+    if not [d for d in cfg['out_dir'].split(',') if d.strip()]:
+        return f"out_dir={cfg['out_dir']!r} names no folder"
+    if not 0 <= cfg['seed'] < 2**32:   # torch.manual_seed takes seed + rank, numpy up to 2**32 - 1
+        return f"seed={cfg['seed']} must be a whole number from 0 to 2**32 - 1"
+    for key in ('beta1', 'beta2'):   # Adam's moment decay rates
+        if key in cfg and not 0 <= cfg[key] < 1:
+            return f"{key}={cfg[key]} must be at least 0 and below 1, e.g. 0.9"
+    return None
+
+
+def check_run_settings(cfg, ranges):
+    wrong = settings_problem(cfg, ranges)
+    if wrong:
+        die(wrong)

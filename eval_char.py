@@ -20,19 +20,24 @@ so with a stride below block_size every target past the first window sees at lea
 block_size - stride + 1 tokens of context.
 """
 import dataclasses
+import inspect
 import json
 import math
 import os
 import sys
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from tqdm import tqdm
 
-import damcha_torch
-from checkpoint import autocast_for, build_model, pick_device, read_jsonl, resume
-from checks import check_fits, check_kernel, check_run_settings, one_line_errors
-from configurator import configure, die, tolerant_stdout
-from damcha_torch import GPTConfig
-from data.prepare import check_lengths, decode, encode, load_dataset, split_loss
+import checkpoint
+import device as devices
+from configurator import check_run_settings, configure
+from damcha_torch import GPT, GPTConfig
+from data import dataset
+from run_folder import read_jsonl
+from shell import die, one_line_errors
 
 DEFAULTS = dict(
     mode='eval',                  # eval | sample | plot
@@ -67,49 +72,81 @@ RANGES = (CHOICES, POSITIVE, NON_NEGATIVE)
 LN2 = math.log(2)
 
 
-def load_for_inference(cfg, given):
-    cfg, model_args, ckpt = resume(cfg, given, RANGES, keep=('mode', 'out_dir', 'compile', *SAMPLING))
-    device = pick_device(cfg['device'], 0)
-    dtype, ctx = autocast_for(device, cfg['dtype'])
-    check_kernel(model_args['kernel'], device, dtype)
-    model = build_model(model_args, ckpt).to(device)
-    model.eval()
+def load_for_inference(cfg, given, attentions):
+    """(checkpoint, settings, model in eval mode on its device, device, autocast context)."""
+    cfg, model_args, ckpt = checkpoint.resume(cfg, given, RANGES, attentions,
+                                              keep=('mode', 'out_dir', 'compile', *SAMPLING))
+    device, _, ctx = devices.setup(cfg['device'], cfg['dtype'], model_args['kernel'])
+    model = GPT(checkpoint.model_config(model_args), attentions.get(model_args['attn']))
+    checkpoint.load_weights(model, ckpt)
+    model.to(device).eval()
     return ckpt, cfg, model, device, ctx
 
 
-def evaluate(cfg, given):
-    ckpt, cfg, model, device, ctx = load_for_inference(cfg, given)
+def evaluate(cfg, given, attentions):
+    ckpt, cfg, model, device, ctx = load_for_inference(cfg, given, attentions)
     if cfg['stride'] > cfg['block_size']:
         die(f"stride={cfg['stride']} is larger than block_size={cfg['block_size']}: tokens would go unscored")
-    check_fits(cfg, 'batch_size', device)
+    devices.check_fits(cfg, 'batch_size', device)
     if cfg['compile']:
         model = torch.compile(model)
-    components, _ = load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'])
-    check_lengths(components, ('val', 'test'), cfg['block_size'])
+    corpora, _ = dataset.load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'])
+    dataset.check_lengths(corpora, ('val', 'test'), cfg['block_size'])
     result = dict(dataset=cfg['dataset'], iter=ckpt['iter_num'], block_size=cfg['block_size'],
                   stride=cfg['stride'] or cfg['block_size'])
     for split in ('val', 'test'):
-        for c in components:
-            if split not in c['splits']:
-                print(f"note: {c['name']} has no {split} split", file=sys.stderr)
+        for c in corpora:
+            if split not in c.splits:
+                print(f"note: {c.name} has no {split} split", file=sys.stderr)
                 continue
-            loss, count = split_loss(model, c['splits'][split], c['lut'], cfg, device, ctx, f"{c['name']} {split}")
+            loss, count = split_loss(model, c.splits[split], c.lut, cfg, device, ctx, f"{c.name} {split}")
             if not math.isfinite(loss):   # the weights passed their checks, so the model overflows
-                die(f"the {split} loss of {c['name']} is {loss}: the model's outputs are not finite numbers")
-            suffix = f"_{c['name']}" if len(components) > 1 else ''
+                die(f"the {split} loss of {c.name} is {loss}: the model's outputs are not finite numbers")
+            suffix = f"_{c.name}" if len(corpora) > 1 else ''
             result |= {f'{split}_loss{suffix}': loss, f'{split}_bpc{suffix}': loss / LN2,
                        f'{split}_tokens{suffix}': count}
-        if len(components) > 1 and f"{split}_loss_{components[0]['name']}" in result:
-            loss = sum(result[f"{split}_loss_{c['name']}"] for c in components) / len(components)
+        if len(corpora) > 1 and f"{split}_loss_{corpora[0].name}" in result:
+            loss = sum(result[f"{split}_loss_{c.name}"] for c in corpora) / len(corpora)
             result |= {f'{split}_loss': loss, f'{split}_bpc': loss / LN2}
     print(json.dumps(result, indent=2, allow_nan=False))
 
 
-def sample(cfg, given):
+@torch.no_grad()
+def split_loss(model, data, lut, cfg, device, ctx, desc=''):
+    """Mean loss of model(x, y) -> (logits, _) over every next-token target of a split's ids `data`
+    (all but its first token); lut: its ids -> the model's, or None; cfg: block_size, stride
+    and batch_size. Windows of block_size start every `stride` tokens (0: block_size); each scores
+    only targets not scored before, so with a stride below block_size each target past the first
+    window sees at least block_size - stride + 1 tokens of context. Returns (mean loss in nats, number of targets)."""
+    T, batch_size = cfg['block_size'], cfg['batch_size']
+    stride = cfg['stride'] or T
+    starts = list(range(0, len(data) - T, stride))
+    if starts[-1] != len(data) - T - 1:
+        starts.append(len(data) - T - 1)   # a last window flush with the end
+    skips, scored = [], 1                  # scored: first target position not yet scored
+    for s in starts:
+        skips.append(scored - (s + 1))
+        scored = s + T + 1
+    total, count = 0.0, 0
+    for b in tqdm(range(0, len(starts), batch_size), desc=desc, unit='batch'):
+        batch = starts[b:b + batch_size]
+        rows = np.stack([data[s:s + T + 1].astype(np.int64) for s in batch])
+        rows = torch.from_numpy(rows if lut is None else lut[rows]).to(device)
+        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        with ctx:
+            logits, _ = model(x, y)
+        nll = F.cross_entropy(logits.float().transpose(1, 2), y, reduction='none')   # (B, T)
+        keep = torch.arange(T, device=device) >= torch.tensor(skips[b:b + len(batch)], device=device)[:, None]
+        total += nll[keep].double().sum().item()
+        count += int(keep.sum())
+    return total / count, count
+
+
+def sample(cfg, given, attentions):
     if cfg['compile']:   # generate() calls the module itself, which torch.compile's wrapper would not reach
         print("note: compile=True applies to --mode=eval; sampling runs the model uncompiled", file=sys.stderr)
-    ckpt, cfg, model, device, ctx = load_for_inference(cfg, given)
-    ids = encode(cfg['start'], ckpt['vocab'], cfg['block_size'])
+    ckpt, cfg, model, device, ctx = load_for_inference(cfg, given, attentions)
+    ids = dataset.encode(cfg['start'], ckpt['vocab'], cfg['block_size'])
     print(f"sampling {cfg['num_samples']} x {cfg['max_new_tokens']} characters from {cfg['out_dir']}/ckpt.pt "
           f"(iter {ckpt['iter_num']}) on {device}", file=sys.stderr)
     torch.manual_seed(cfg['seed'])
@@ -117,10 +154,10 @@ def sample(cfg, given):
         with ctx:
             out = model.generate(torch.tensor([ids], device=device), cfg['max_new_tokens'], cfg['temperature'],
                                  cfg['top_k'] or None)
-        print(decode(out[0].tolist(), ckpt['vocab']) + '\n---------------', flush=True)
+        print(dataset.decode(out[0].tolist(), ckpt['vocab']) + '\n---------------', flush=True)
 
 
-def plot(cfg, given):
+def plot(cfg, given, attentions):
     import matplotlib   # here, not at the top: only this mode needs it, and it is slow to import
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -152,12 +189,14 @@ def plot(cfg, given):
     print(f"wrote {path}")
 
 
-def main(argv):
-    tolerant_stdout()
-    cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__, described_in=(__file__, damcha_torch.__file__))
-    check_run_settings(cfg, RANGES)
+def main(argv, attentions=None):
+    """attentions: {attn name: the class of h.{l}.attn} beyond the book's damcha and mha, which GPT
+    takes as its `attention` (the lab's, lab/eval.py)."""
     with one_line_errors('batch_size (eval) or block_size'):
-        dict(eval=evaluate, sample=sample, plot=plot)[cfg['mode']](cfg, given)
+        cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__,
+                               described_in=(__file__, inspect.getfile(GPTConfig)))
+        check_run_settings(cfg, RANGES)
+        dict(eval=evaluate, sample=sample, plot=plot)[cfg['mode']](cfg, given, attentions or {})
 
 
 if __name__ == '__main__':

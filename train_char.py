@@ -1,22 +1,28 @@
 r"""
 train_char.py: train character-level DAMCHA and MHA GPTs, as nanoGPT's train.py trains GPT-2.
 
-    python train_char.py                                     # small DAMCHA on the bundled Shakespeare
-    python train_char.py config/enwik8.py config/damcha.py   # one GPU: a dataset file, then a model file
+    python train_char.py                                    # small DAMCHA on Shakespeare
+    python train_char.py config/enwik8.py config/damcha.py  # one GPU: a dataset, then a model file
     python train_char.py --dataset=notes.txt --attn=mha --out_dir=out-notes   # any text file
     python train_char.py --init_from=resume --out_dir=out-shakespeare --max_iters=3000
     torchrun --standalone --nproc_per_node=4 train_char.py config/enwik8.py config/damcha.py \
         --batch_size=8 --gradient_accumulation_steps=4      # the same 32 rows per step, on 4 GPUs
-    python train_char.py config/text8.py config/mha.py --mode=config   # the settings it would run, as JSON
-    python train_char.py --help                              # every setting: its default, what it does
+    python train_char.py config/text8.py config/mha.py --mode=config  # its settings, as JSON
+    python train_char.py --help                             # every setting: default, what it does
 
 Settings: the defaults below, then config files and --key=value flags in order; a resumed run keeps
-its checkpoint's, but those given. data/prepare.py prepares a dataset on first use, into data/<name>/.
-A run writes out_dir/ckpt.pt, log.jsonl (each evaluation) and train_log.jsonl (each iteration), and
-checkpoint.py keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP stops a run, saying where a resume
-starts. eval_char.py evaluates, samples from and plots the runs.
+its checkpoint's, but those given. data/prepare.py prepares a dataset on first use, into
+data/<name>/.
+A run writes out_dir/ckpt.pt, log.jsonl (each evaluation) and train_log.jsonl (each iteration)
+through run_folder.RunFolder, which keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP stops a run,
+saying where a resume starts. eval_char.py evaluates, samples from and plots the runs.
+
+The reading path, the files that hold the model and its training: this file, damcha_torch.py (the
+model), run_folder.py, checkpoint.py, configurator.py, device.py, shell.py, data/dataset.py and
+data/prepare.py (tests/test_repo.py checks the list against the real imports).
 """
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -30,26 +36,30 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-import damcha_torch
-from checkpoint import (HELD, Diverged, append_jsonl, autocast_for, build_model, cut_logs, lock_out_dir,
-                        no_checkpoint_in, pick_device, restore, resume, rng_states, save, stopped, unlock)
-from checks import check_fits, check_kernel, check_run_settings, model_config, one_line_errors, snapshot_iterations
-from configurator import configure, die, signals_as_ctrl_c, tolerant_stdout
-from damcha_torch import GPTConfig, get_lr
-from data.prepare import check_lengths, corpora, decode, encode, load_dataset
+import checkpoint
+import device as devices
+from configurator import check_run_settings, configure
+from damcha_torch import GPT, GPTConfig
+from data import dataset
+from run_folder import Diverged, RunFolder
+from shell import die, one_line_errors, signals_as_ctrl_c
 
 # ---------------------------------------------------------------------------------------------
 # Settings: a small DAMCHA that learns Shakespeare in minutes on a CPU. The comment beside each
 # default is its description in --help.
 DEFAULTS = dict(
     mode='train',                 # train | config (print the settings a run would use, as JSON)
-    out_dir='out-shakespeare',    # the run's folder (ckpt.pt, logs); {setting} takes a setting's value
-    init_from='scratch',          # scratch | resume (continue out_dir/ckpt.pt with its settings, but those given)
+    out_dir='out-shakespeare',    # the run's folder (ckpt.pt, logs); {setting} takes a setting's
+                                  # value
+    init_from='scratch',          # scratch | resume (continue out_dir/ckpt.pt with its settings,
+                                  # but those given)
     dataset='shakespeare',        # shakespeare | enwik8 | text8 | mix | path to a text file
-    data_dir='',                  # prepared data go in <data_dir>/<dataset, or a text file's stem-digest>/; '': data/
+    data_dir='',                  # prepared data go in <data_dir>/<dataset, or a text file's
+                                  # stem-digest>/; '': data/
     seed=1337,                    # of the weights, the training rows and dropout
     device='auto',                # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-    dtype='auto',                 # auto (CUDA: bfloat16 if supported, else float16; float32 elsewhere)
+    dtype='auto',                 # auto (CUDA: bfloat16 if supported, else float16; float32
+                                  # elsewhere)
     compile=False,                # torch.compile: faster on a GPU, minutes of warm-up on a CPU
     # training
     batch_size=12,                # rows per micro-batch and process
@@ -60,16 +70,19 @@ DEFAULTS = dict(
     beta1=0.9,                    # AdamW's decay rate of the gradient's mean
     beta2=0.99,                   # AdamW's decay rate of the gradient's square
     grad_clip=1.0,                # largest gradient norm; 0: no clipping
-    decay_lr=True,                # linear warm-up, then cosine decay to min_lr; False: learning_rate throughout
+    decay_lr=True,                # linear warm-up, then cosine decay to min_lr; False:
+                                  # learning_rate throughout
     warmup_iters=100,             # iterations of warm-up; unless set, min(100, max_iters // 10)
     lr_decay_iters=2000,          # iteration where the decay reaches min_lr; unless set, max_iters
     min_lr=2e-4,                  # the rate at and after lr_decay_iters
     eval_interval=250,            # iterations between loss estimates (and checkpoints)
-    eval_iters=10,                # batches (of an iteration's rows) per split for each loss estimate
+    eval_iters=10,                # batches (of an iteration's rows) per split for each loss
+                                  # estimate
     log_interval=10,              # iterations between printed training losses
     always_save_checkpoint=True,  # False: save only when the val loss improves
     snapshot_iters='',            # e.g. 0,1000,5000: also keep the weights at these iterations,
-                                  # as float16, in out_dir/snapshot-<iter>.pt (notebooks/04 reads them)
+                                  # as float16, in out_dir/snapshot-<iter>.pt (a notebook reads
+                                  # them)
     # the sample printed after training
     start='',                     # prompt, or FILE:path; '' is a newline (a space for text8)
     num_samples=1,                # samples printed after training
@@ -83,10 +96,11 @@ MODEL_DEFAULTS = dict(
     block_size=64, n_layer=4, n_head=4, n_embd=128, gen_out='folded', gen_depth=2,
     gen_width=30)                 # w, f's hidden width; 30: here DAMCHA has MHA's parameter count
 MODEL_KEYS = [f.name for f in dataclasses.fields(GPTConfig)]
-DEFAULTS.update({f.name: MODEL_DEFAULTS.get(f.name, f.default) for f in dataclasses.fields(GPTConfig)})
+DEFAULTS.update({k: MODEL_DEFAULTS.get(k, getattr(GPTConfig, k)) for k in MODEL_KEYS})
 CHOICES = dict(mode=('train', 'config'), init_from=('scratch', 'resume'),
                dtype=('auto', 'float32', 'bfloat16', 'float16'))
-POSITIVE = ('batch_size', 'gradient_accumulation_steps', 'eval_interval', 'eval_iters', 'log_interval',
+POSITIVE = ('batch_size', 'gradient_accumulation_steps', 'eval_interval', 'eval_iters',
+            'log_interval',
             'num_samples', 'temperature', 'learning_rate', 'block_size', 'max_iters')
 NON_NEGATIVE = ('warmup_iters', 'lr_decay_iters', 'min_lr', 'weight_decay', 'grad_clip',
                 'max_new_tokens', 'top_k', 'vocab_size')
@@ -97,12 +111,14 @@ LN2 = math.log(2)
 def parse_config(argv):
     """Defaults, then each config file or --key=value in order; out_dir's braces filled in, and the
     schedule fitted to max_iters where it was not set. Returns (config, keys given)."""
-    cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__, described_in=(__file__, damcha_torch.__file__))
+    cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__,
+                           described_in=(__file__, inspect.getfile(GPTConfig)))
     try:   # a dataset config file names its runs' folders after the model: out-enwik8-{attn}
         cfg['out_dir'] = cfg['out_dir'].format(**cfg)
     except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
-        die(f"out_dir={cfg['out_dir']!r}: braces must hold a setting's name, as in out-enwik8-{{attn}} ({e!r})")
-    if 'lr_decay_iters' not in given:   # a resumed run keeps its checkpoint's (from_checkpoint)
+        die(f"out_dir={cfg['out_dir']!r}: braces must hold a setting's name, as in "
+            f"out-enwik8-{{attn}} ({e!r})")
+    if 'lr_decay_iters' not in given:   # a resumed run keeps its checkpoint's (checkpoint.resume)
         cfg['lr_decay_iters'] = cfg['max_iters']
     if 'warmup_iters' not in given:
         cfg['warmup_iters'] = min(DEFAULTS['warmup_iters'], cfg['max_iters'] // 10)
@@ -110,59 +126,95 @@ def parse_config(argv):
     return cfg, given
 
 
-def plan(cfg, given):
+def plan(cfg, given, attentions):
     """(settings, model fields, checkpoint or None, snapshot iterations) of the run these arguments
     ask for, checked before anything is downloaded or built."""
     ckpt = None
     if cfg['init_from'] == 'resume':
-        cfg, model_args, ckpt = resume(cfg, given, RANGES)
+        cfg, model_args, ckpt = checkpoint.resume(cfg, given, RANGES, attentions)
         if ckpt['iter_num'] >= cfg['max_iters']:
             die(f"the checkpoint is at iter {ckpt['iter_num']} and max_iters={cfg['max_iters']}: "
                 "raise max_iters to train further")
     else:
         model_args = {k: cfg[k] for k in MODEL_KEYS}
-        model_config(model_args | {'vocab_size': model_args['vocab_size'] or 1})   # fail before downloading
+        checkpoint.model_config(model_args | {'vocab_size': model_args['vocab_size'] or 1})
     if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:   # the decay would raise the rate
-        die(f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}: give a min_lr at most the peak")
+        die(f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}: give a min_lr "
+            "at most the peak")
     return cfg, model_args, ckpt, snapshot_iterations(cfg, given, ckpt)
 
 
-def show_config(cfg, given):
-    """The settings a run of these arguments starts from, as JSON, refused as the run would refuse them."""
-    cfg, *_ = plan(cfg, given)
-    corpora(cfg['dataset'], cfg['data_dir'])   # a dataset that is neither named nor a file
+def snapshot_iterations(cfg, given, ckpt):
+    """The iterations of snapshot_iters, refused if outside the run (for a resume given new ones,
+    from its checkpoint's iteration on: those saved before stay)."""
+    try:
+        snapshots = {int(t) for t in cfg['snapshot_iters'].split(',') if t.strip()}
+    except ValueError:
+        die(f"snapshot_iters={cfg['snapshot_iters']!r}: give iterations as comma-separated whole "
+            "numbers, e.g. 0,1000,5000")
+    first = ckpt['iter_num'] if ckpt is not None and 'snapshot_iters' in given else 0
+    outside = sorted(i for i in snapshots if not first <= i <= cfg['max_iters'])
+    if outside:
+        whose = ("the checkpoint's" if ckpt is not None and 'snapshot_iters' not in given
+                 else 'given')
+        die(f"snapshot_iters ({whose}): {outside} outside this run's iterations "
+            f"{first}..{cfg['max_iters']}"
+            + ("; --snapshot_iters= sets others, or none" if whose != 'given' else ''))
+    return snapshots
+
+
+def show_config(cfg, given, attentions):
+    """The settings a run of these arguments starts from, as JSON, refused as the run would
+    refuse them."""
+    cfg, *_ = plan(cfg, given, attentions)
+    dataset.corpora(cfg['dataset'], cfg['data_dir'])   # a dataset that is neither named nor a file
     print(json.dumps(cfg, indent=2))
 
 
 # ---------------------------------------------------------------------------------------------
-# Data: rows drawn from the splits that data/prepare.py maps into memory
+# Data, the schedule and the loss estimate
 
-def get_batch(components, split, n, block_size, generator, device):
+def get_batch(corpora, split, n, block_size, generator, device):
     """n rows: inputs x and next-token targets y, (n, block_size) int64 on device. Each row's corpus
     is drawn uniformly (mix: enwik8 or text8), then its start uniformly over that split."""
-    which = torch.randint(len(components), (n,), generator=generator)
-    room = torch.tensor([len(c['splits'][split]) - block_size for c in components], dtype=torch.float64)
+    which = torch.randint(len(corpora), (n,), generator=generator)
+    room = torch.tensor([len(c.splits[split]) - block_size for c in corpora], dtype=torch.float64)
     starts = (torch.rand(n, generator=generator, dtype=torch.float64) * room[which]).long()
     rows = []
     for c, s in zip(which.tolist(), starts.tolist()):
-        row = torch.from_numpy(components[c]['splits'][split][s:s + block_size + 1].astype(np.int64))
-        rows.append(row if components[c]['lut'] is None else components[c]['lut'][row])
+        ids = corpora[c].splits[split][s:s + block_size + 1].astype(np.int64)
+        rows.append(torch.from_numpy(ids if corpora[c].lut is None else corpora[c].lut[ids]))
     xy = torch.stack(rows)
-    xy = xy.pin_memory().to(device, non_blocking=True) if device.startswith('cuda') else xy.to(device)
+    if device.startswith('cuda'):
+        xy = xy.pin_memory().to(device, non_blocking=True)
+    else:
+        xy = xy.to(device)
     return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()   # contiguous: models may .view() them
 
 
+def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
+    """nanoGPT's schedule: linear warm-up over warmup_iters, cosine decay to min_lr at
+    lr_decay_iters."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it >= lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
 @torch.no_grad()
-def estimate_loss(model, components, cfg, device, ctx):
-    """Mean loss over eval_iters batches per split and component: the same batches at every evaluation
+def estimate_loss(model, corpora, cfg, device, ctx):
+    """Mean loss over eval_iters batches per split and corpus: the same batches at every evaluation
     (their own generator, reseeded), each an iteration's rows, however a run splits them into
-    micro-batches and processes."""
+    micro-batches and processes. Returns train_loss, val_loss, val_bpc (and, for mix, each
+    corpus's)."""
     model.eval()
     out = {}
     rows, B = cfg['batch_size'] * cfg['gradient_accumulation_steps'], cfg['batch_size']
     for split in ('train', 'val'):
-        per_component = {}
-        for c in components:
+        per_corpus = {}
+        for c in corpora:
             generator = torch.Generator().manual_seed(cfg['seed'])
             losses = []
             for _ in range(cfg['eval_iters']):
@@ -170,265 +222,263 @@ def estimate_loss(model, components, cfg, device, ctx):
                 for first in range(0, rows, B):
                     with ctx:
                         losses.append(model(X[first:first + B], Y[first:first + B])[1])
-            losses = torch.stack(losses).tolist()   # one device sync per component, not one per batch
-            per_component[c['name']] = sum(losses) / len(losses)
-        out[f'{split}_loss'] = sum(per_component.values()) / len(components)
-        if len(components) > 1:
-            out |= {f'{split}_loss_{name}': loss for name, loss in per_component.items()}
+            losses = torch.stack(losses).tolist()   # one device sync per corpus, not one per batch
+            per_corpus[c.name] = sum(losses) / len(losses)
+        out[f'{split}_loss'] = sum(per_corpus.values()) / len(corpora)
+        if len(corpora) > 1:
+            out |= {f'{split}_loss_{name}': loss for name, loss in per_corpus.items()}
     model.train()
-    return out | {k.replace('_loss', '_bpc'): v / LN2 for k, v in out.items() if k.startswith('val')}
+    bpc = {k.replace('_loss', '_bpc'): v / LN2 for k, v in out.items() if k.startswith('val')}
+    return out | bpc
 
 
 # ---------------------------------------------------------------------------------------------
 # Training
 
-@dataclasses.dataclass
-class Process:
-    """This process: one of torchrun's (rank 0, the master, alone evaluates, logs and saves) or the only one."""
-    ddp: bool
-    rank: int
-    world: int
-    device: str
-    dtype: str
-    ctx: object                          # autocast, or nullcontext for float32
-    master: bool
+def train(cfg, given, run, attentions):
+    """A training run, top to bottom as nanoGPT's train.py: settings and run folder, this process,
+    data, model, optimizer, then the loop. run: the RunFolder of out_dir; attentions: the classes
+    of attn names beyond the book's (the lab's), by name."""
+    ddp = 'RANK' in os.environ   # started by torchrun: one process per GPU
+    rank, local_rank, world = ((int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
+                               if ddp else (0, 0, 1))
+    master = rank == 0   # rank 0 alone evaluates, logs and saves
+    if cfg['init_from'] == 'scratch':
+        run.refuse_fresh_start()
+    elif master and os.path.isdir(run.dir):
+        run.lock()   # before the checkpoint is read, so that it cannot change meanwhile
+    cfg, model_args, ckpt, snapshots = plan(cfg, given, attentions)
 
-
-@dataclasses.dataclass
-class Progress:
-    """Where the run stands; ckpt.pt records all but saved_iter."""
-    iter_num: int = 0
-    best_val_loss: float = math.inf
-    tokens: int = 0
-    elapsed: float = 0.0                 # seconds of training
-    saved_iter: int | None = None        # the iteration of the ckpt.pt on disk
-
-
-def start_process(cfg, model_args):
-    ddp = 'RANK' in os.environ
-    rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
+    # this process: its device and precision, and torchrun's process group
     if cfg['gradient_accumulation_steps'] % world:
-        die(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple of "
-            f"the {world} processes")
-    device = pick_device(cfg['device'], local_rank)
-    dtype, ctx = autocast_for(device, cfg['dtype'])
-    check_kernel(model_args['kernel'], device, dtype)
+        die(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple "
+            f"of the {world} processes")
+    device, dtype, ctx = devices.setup(cfg['device'], cfg['dtype'], model_args['kernel'],
+                                       local_rank)
     if ddp:
         dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-    return Process(ddp, rank, world, device, dtype, ctx, master=rank == 0)
 
-
-def load_data(cfg, model_args, ckpt, p):
-    """The dataset (components, vocabulary) and the prompt of the sample after training, checked
-    now rather than after training; with them a new model's vocabulary size."""
-    if p.ddp and not p.master:
+    # data: rank 0 downloads and prepares it, the others then only read it; checked now, with the
+    # prompt of the sample after training, rather than after training
+    if ddp and not master:
         try:
-            dist.barrier()   # rank 0 downloads and prepares the data, the others then only read it
-        except RuntimeError:  # rank 0 stopped: its own error says why
+            dist.barrier()
+        except RuntimeError:   # rank 0 stopped: its own error says why
             die("rank 0 stopped before the data were ready; its error is above")
-    components, vocab = load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'] if ckpt else None)
-    if p.ddp and p.master:
+    corpora, vocab = dataset.load_dataset(cfg['dataset'], cfg['data_dir'], ckpt and ckpt['vocab'])
+    if ddp and master:
         dist.barrier()
     if ckpt is None:
-        vocab_size = model_args['vocab_size']
-        if vocab_size and vocab_size < len(vocab):
-            die(f"vocab_size={vocab_size} is smaller than the dataset's {len(vocab)} symbols")
-        model_args['vocab_size'] = cfg['vocab_size'] = vocab_size or len(vocab)
-    check_lengths(components, ('train', 'val'), model_args['block_size'])
-    check_fits(cfg, 'batch_size', p.device, training=True)   # an impossible size in one line, not out of memory
-    check_fits(cfg, 'num_samples', p.device)   # the samples after training are generated together
-    return components, vocab, encode(cfg['start'], vocab, model_args['block_size'])
-
-
-def train(cfg, given):
-    """A training run, as nanoGPT's train.py: settings, processes, data, model and optimizer, the loop."""
-    if cfg['init_from'] == 'scratch':
-        no_checkpoint_in(cfg['out_dir'])
-    elif os.environ.get('RANK', '0') == '0' and os.path.isdir(cfg['out_dir']):
-        lock_out_dir(cfg['out_dir'])   # before the checkpoint is read, so that it cannot change meanwhile
-    cfg, model_args, ckpt, snapshots = plan(cfg, given)
-    p = start_process(cfg, model_args)
-    components, vocab, prompt = load_data(cfg, model_args, ckpt, p)   # a bad dataset or prompt: the only line
-    if p.master and not HELD:   # a new run takes the lock once its input is checked (no out_dir made for a
-        lock_out_dir(cfg['out_dir'])   # bad flag), and looks again for a checkpoint a run ending meanwhile left
-        no_checkpoint_in(cfg['out_dir'])
-    if p.master:
+        if model_args['vocab_size'] and model_args['vocab_size'] < len(vocab):
+            die(f"vocab_size={model_args['vocab_size']} is smaller than the dataset's "
+                f"{len(vocab)} symbols")
+        model_args['vocab_size'] = cfg['vocab_size'] = model_args['vocab_size'] or len(vocab)
+    dataset.check_lengths(corpora, ('train', 'val'), model_args['block_size'])
+    devices.check_fits(cfg, 'batch_size', device, training=True)   # one line, not out of memory
+    devices.check_fits(cfg, 'num_samples', device)   # the samples after training come together
+    prompt = dataset.encode(cfg['start'], vocab, model_args['block_size'])
+    if master and ckpt is None:   # a new run takes out_dir once its input is checked (no folder
+        run.lock()                # made for a bad flag), and looks again for a run that ended
+        run.refuse_fresh_start()
+    if master:
         if ckpt is not None:
-            print(f"resuming from {os.path.join(cfg['out_dir'], 'ckpt.pt')} at iter {ckpt['iter_num']}")
-        print(''.join(f"data: {c['name']} prepared in {c['dir']}\n" for c in components) + 'config:\n'
+            print(f"resuming from {run.ckpt_path} at iter {ckpt['iter_num']}")
+        print(''.join(f"data: {c.name} prepared in {c.dir}\n" for c in corpora) + 'config:\n'
               + textwrap.indent(textwrap.fill(' '.join(f'{k}={v!r}' for k, v in cfg.items()), 100,
                                               break_long_words=False), '  '))
         if cfg['decay_lr'] and cfg['lr_decay_iters'] != cfg['max_iters']:
-            print(f"note: lr_decay_iters={cfg['lr_decay_iters']} is not max_iters={cfg['max_iters']}: the rate "
-                  "stays at min_lr from lr_decay_iters on (--lr_decay_iters sets it)", file=sys.stderr)
+            print(f"note: lr_decay_iters={cfg['lr_decay_iters']} is not "
+                  f"max_iters={cfg['max_iters']}: "
+                  "the rate stays at min_lr from lr_decay_iters on (--lr_decay_iters sets it)",
+                  file=sys.stderr)
 
-    torch.manual_seed(cfg['seed'] + p.rank)
-    raw_model = build_model(model_args, ckpt).to(p.device)
-    optimizer = raw_model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
-                                               (cfg['beta1'], cfg['beta2']), p.device.split(':')[0])
-    scaler = torch.amp.GradScaler('cuda', enabled=(p.dtype == 'float16'))
-    batches = torch.Generator().manual_seed(cfg['seed'])   # draws the training rows, alike on every process
-    progress = Progress()
+    # the model, the optimizer and the generator of the training rows, as the checkpoint left them
+    torch.manual_seed(cfg['seed'] + rank)
+    raw_model = GPT(checkpoint.model_config(model_args), attentions.get(model_args['attn']))
     if ckpt is not None:
-        restore(ckpt, optimizer, scaler, batches, p.rank, p.device)
-        progress = Progress(ckpt['iter_num'], ckpt['best_val_loss'], ckpt['tokens'], ckpt['elapsed'], ckpt['iter_num'])
+        checkpoint.load_weights(raw_model, ckpt)
+    raw_model.to(device)
+    optimizer = raw_model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
+                                               (cfg['beta1'], cfg['beta2']), device.split(':')[0])
+    scaler = torch.amp.GradScaler('cuda', enabled=(dtype == 'float16'))
+    batches = torch.Generator().manual_seed(cfg['seed'])   # alike on every process
+    if ckpt is not None:
+        checkpoint.restore(ckpt, optimizer, scaler, batches, rank, device)
     model = torch.compile(raw_model) if cfg['compile'] else raw_model
-    if p.ddp:
-        model = DDP(model, device_ids=[p.device] if p.device.startswith('cuda') else None)
-    if p.master:
-        cut_logs(cfg['out_dir'], progress.iter_num, ckpt is not None)
-        print(f"{sum(t.numel() for t in raw_model.parameters()):,} parameters; {tokens_per_iter(cfg):,} tokens per "
-              f"iteration ({p.world} x {cfg['gradient_accumulation_steps'] // p.world} x {cfg['batch_size']} x "
-              f"{cfg['block_size']}); device {p.device}, {p.dtype}")
+    if ddp:
+        model = DDP(model, device_ids=[device] if device.startswith('cuda') else None)
+    eval_model = model.module if ddp else model   # compiled, not DDP: only rank 0 evaluates
+    B, rows = cfg['batch_size'], cfg['batch_size'] * cfg['gradient_accumulation_steps']
+    accum = cfg['gradient_accumulation_steps'] // world   # this process's micro-batches
+    tokens_per_iter = rows * cfg['block_size']   # of all processes together
+    start = iter_num = ckpt['iter_num'] if ckpt else 0
+    best_val_loss = ckpt['best_val_loss'] if ckpt else math.inf
+    tokens = ckpt['tokens'] if ckpt else 0
+    saved = dict(model_args=model_args, vocab=vocab)   # checkpoints and snapshots record them too
+    if master:
+        run.start_logs(start, resumed=ckpt is not None)
+        print(f"{sum(t.numel() for t in raw_model.parameters()):,} parameters; {tokens_per_iter:,} "
+              f"tokens per iteration ({world} x {accum} x {B} x {cfg['block_size']}); "
+              f"device {device}, {dtype}")
 
-    try:
-        train_loop(cfg, p, components, model, raw_model, optimizer, scaler, batches, progress, snapshots,
-                   saved=dict(model_args=model_args, vocab=vocab))
-    except (KeyboardInterrupt, Diverged) as e:   # raised inside the progress bar's with-block, said once it is closed
-        status, message = stopped(e, cfg['out_dir'], progress.iter_num, progress.saved_iter)
-        if p.master:
+    # the loop: log, evaluate, checkpoint, snapshot and step, until max_iters
+    pending = []   # (iter, lr, loss on the device) of the steps not logged yet: one sync per line
+    t_log = t_eval = time.time()
+    t_run = t_log - (ckpt['elapsed'] if ckpt else 0.0)
+    eval_iter = start
+    bar = tqdm(total=cfg['max_iters'], initial=start, disable=not master, unit='it',
+               dynamic_ncols=True)
+    try:   # ... finally: the progress bar is closed also when die() stops the run mid-line
+        while True:
+            lr = (get_lr(iter_num, cfg['learning_rate'], cfg['warmup_iters'], cfg['lr_decay_iters'],
+                         cfg['min_lr']) if cfg['decay_lr'] else cfg['learning_rate'])
+            last = iter_num >= cfg['max_iters']
+            evaluating = iter_num % cfg['eval_interval'] == 0 or last
+            if pending and (iter_num % cfg['log_interval'] == 0 or evaluating):
+                losses = synced_losses(pending, ddp, world)   # Diverged on a non-finite one
+                dt = (time.time() - t_log) / len(pending)
+                if master:
+                    run.log('train_log.jsonl', [dict(iter=it, loss=loss, lr=step_lr)
+                                                for (it, step_lr, _), loss in zip(pending, losses)])
+                    # MFU against a datacenter GPU's peak: meaningless elsewhere
+                    mfu = (f", mfu {raw_model.estimate_mfu(rows // world, dt):.2%}"
+                           if device.startswith('cuda') else '')
+                    bar.write(f"iter {iter_num}: loss {sum(losses) / len(losses):.4f}, lr "
+                              f"{pending[-1][1]:.2e}, {dt * 1000:.1f} ms/iter, "
+                              f"{tokens_per_iter / dt:,.0f} tokens/s{mfu}")
+                pending, t_log = [], time.time()
+            # a resumed run's first iteration was evaluated, and checkpointed, by the run it resumes
+            if evaluating and not (ckpt is not None and iter_num == start):
+                speed = ((iter_num - eval_iter) * tokens_per_iter / (time.time() - t_eval)
+                         if iter_num > eval_iter else 0.0)
+                rng = rng_states(ddp)   # before evaluating, as the next step will find them
+                losses = estimate_loss(eval_model, corpora, cfg, device, ctx) if master else {}
+                stop_if_diverged(losses, iter_num, ddp, device)
+                elapsed = round(time.time() - t_run, 3)
+                if master:   # lr: of the step this iteration takes, as in train_log.jsonl
+                    run.log('log.jsonl', [dict(iter=iter_num, tokens=tokens, time=elapsed, lr=lr,
+                                               tokens_per_sec=speed, **losses)])
+                    each = ''.join(f", {k[8:]} {v:.4f}" for k, v in losses.items()
+                                   if k.startswith('val_bpc_'))   # mix: each corpus's
+                    bar.write(f"eval {iter_num}: train loss {losses['train_loss']:.4f}, val loss "
+                              f"{losses['val_loss']:.4f}, val bpc {losses['val_bpc']:.4f}{each}")
+                    if iter_num > start and (losses['val_loss'] < best_val_loss
+                                             or cfg['always_save_checkpoint']):
+                        best_val_loss = min(best_val_loss, losses['val_loss'])
+                        run.save_checkpoint(dict(
+                            model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
+                            scaler=scaler.state_dict(), config=cfg, **saved, iter_num=iter_num,
+                            best_val_loss=best_val_loss, tokens=tokens, elapsed=elapsed,
+                            rng=dict(batches=batches.get_state(), torch=rng)))
+                t_log = t_eval = time.time()
+                eval_iter = iter_num
+            if master and iter_num in snapshots:
+                run.save_snapshot(raw_model, saved, iter_num)
+            if last:
+                break
+
+            # one step. Every process draws the iteration's rows (the same generator, seeded
+            # alike) and takes its own micro-batches of them: a run on N processes sees the data
+            # of a run on one, and only rank 0's generator is saved.
+            for group in optimizer.param_groups:
+                group['lr'] = lr
+            X, Y = get_batch(corpora, 'train', rows, cfg['block_size'], batches, device)
+            step_loss = torch.zeros((), device=device)
+            for micro in range(accum):
+                first = (rank * accum + micro) * B
+                if ddp:
+                    model.require_backward_grad_sync = micro == accum - 1   # all-reduce at the last
+                with ctx:
+                    _, loss = model(X[first:first + B], Y[first:first + B])
+                    loss = loss / accum
+                step_loss += loss.detach()
+                scaler.scale(loss).backward()
+            if cfg['grad_clip']:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            pending.append((iter_num, lr, step_loss))
+            iter_num += 1
+            tokens += tokens_per_iter
+            bar.update()
+    except (KeyboardInterrupt, Diverged) as e:
+        bar.close()   # first, so that the line is not drawn over
+        status, message = run.stopped(e, iter_num)
+        if master:
             print(message, file=sys.stderr)
         raise SystemExit(status)
-    if p.master:
-        print(f"done: iter {progress.iter_num}, {progress.elapsed:.0f} s of training; best val loss "
-              f"{progress.best_val_loss:.4f} ({progress.best_val_loss / LN2:.4f} bpc)")
-        sample(raw_model, prompt, vocab, cfg, p)
-    if p.ddp:   # all processes tear the group down together, so that none exits while rank 0 still
-        dist.barrier()   # saves and samples: a process group whose members leave early aborts the others
+    finally:
+        bar.close()
+    if master:
+        print(f"done: iter {iter_num}, {time.time() - t_run:.0f} s of training; best val loss "
+              f"{best_val_loss:.4f} ({best_val_loss / LN2:.4f} bpc)")
+        sample(raw_model, prompt, vocab, cfg, device, ctx)
+    if ddp:   # all processes tear the group down together, so that none exits while rank 0 still
+        dist.barrier()   # saves and samples: a process group whose members leave early aborts
         dist.destroy_process_group()
 
 
-def tokens_per_iter(cfg):   # of all processes together
-    return cfg['batch_size'] * cfg['gradient_accumulation_steps'] * cfg['block_size']
-
-
-def train_loop(cfg, p, components, model, raw_model, optimizer, scaler, batches, progress, snapshots, saved):
-    """Log, evaluate, checkpoint, snapshot and step, until max_iters. saved: what each checkpoint
-    and snapshot records besides the weights (model_args, vocab)."""
-    out_dir, start, tokens = cfg['out_dir'], progress.iter_num, tokens_per_iter(cfg)
-    resumed = progress.saved_iter is not None
-    eval_model = model.module if p.ddp else model   # compiled, not DDP: only rank 0 evaluates
-    pending, t_log, t_run = [], time.time(), time.time() - progress.elapsed
-    t_eval, eval_iter = t_log, start
-    # the with-block closes the progress bar also when die() stops the run mid-line
-    with tqdm(total=cfg['max_iters'], initial=start, disable=not p.master, unit='it', dynamic_ncols=True) as bar:
-        while True:
-            it = progress.iter_num
-            lr = (get_lr(it, cfg['learning_rate'], cfg['warmup_iters'], cfg['lr_decay_iters'], cfg['min_lr'])
-                  if cfg['decay_lr'] else cfg['learning_rate'])
-            last = it >= cfg['max_iters']
-            evaluating = it % cfg['eval_interval'] == 0 or last
-            if pending and (it % cfg['log_interval'] == 0 or evaluating):
-                log_losses(pending, time.time() - t_log, cfg, p, raw_model, progress, bar)
-                pending, t_log = [], time.time()
-            if evaluating and (it > start or not resumed):
-                speed = (it - eval_iter) * tokens / (time.time() - t_eval) if it > eval_iter else 0.0
-                states = rng_states(p.ddp)   # before evaluating, as the next step will find them
-                losses = estimate_loss(eval_model, components, cfg, p.device, p.ctx) if p.master else {}
-                what, bad = next(((k[:k.index('_')], v) for k, v in losses.items() if not math.isfinite(v)), ('', 0.0))
-                bad = torch.tensor(bad, device=p.device)
-                if p.ddp:
-                    dist.broadcast(bad, 0)   # only rank 0 evaluates, but every process must stop
-                if not math.isfinite(bad.item()):
-                    raise Diverged(what or 'val', bad.item(), it)
-                progress.elapsed = round(time.time() - t_run, 3)
-                if p.master:   # lr: of the step this iteration takes, as in train_log.jsonl
-                    append_jsonl(os.path.join(out_dir, 'log.jsonl'), [dict(
-                        iter=it, tokens=progress.tokens, time=progress.elapsed, lr=lr, tokens_per_sec=speed, **losses)])
-                    each = ''.join(f", {k[8:]} {v:.4f}" for k, v in losses.items() if k.startswith('val_bpc_'))   # mix
-                    bar.write(f"eval {it}: train loss {losses['train_loss']:.4f}, val loss {losses['val_loss']:.4f}, "
-                              f"val bpc {losses['val_bpc']:.4f}{each}")
-                    if it > start and (losses['val_loss'] < progress.best_val_loss or cfg['always_save_checkpoint']):
-                        progress.best_val_loss = min(progress.best_val_loss, losses['val_loss'])
-                        checkpoint = dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
-                                          scaler=scaler.state_dict(), config=cfg, **saved, iter_num=it,
-                                          best_val_loss=progress.best_val_loss, tokens=progress.tokens,
-                                          elapsed=progress.elapsed, rng=dict(batches=batches.get_state(), torch=states))
-                        save(checkpoint, out_dir, 'ckpt.pt', progress.saved_iter)
-                        progress.saved_iter = it
-                t_log = t_eval = time.time()
-                eval_iter = it
-            if p.master and it in snapshots:   # the weights only, in float16: for looking at, not for resuming
-                weights = {k: v.to(torch.float16) for k, v in raw_model.state_dict().items()}
-                save(dict(model=weights, **saved, iter_num=it), out_dir, f'snapshot-{it}.pt', progress.saved_iter)
-            if last:
-                break
-            pending.append((it, lr, train_step(model, optimizer, scaler, batches, components, lr, cfg, p)))
-            progress.iter_num += 1
-            progress.tokens += tokens
-            bar.update()
-    progress.elapsed = round(time.time() - t_run, 3)
-
-
-def train_step(model, optimizer, scaler, batches, components, lr, cfg, p):
-    """One iteration at learning rate lr; returns its loss (on the device, not synced). Every process
-    draws the iteration's rows (the same generator, seeded alike) and takes its own micro-batches of
-    them: a run on N processes sees the data of a run on one, and only rank 0's generator is saved."""
-    B, accum = cfg['batch_size'], cfg['gradient_accumulation_steps'] // p.world
-    for group in optimizer.param_groups:
-        group['lr'] = lr
-    X, Y = get_batch(components, 'train', B * cfg['gradient_accumulation_steps'], cfg['block_size'], batches, p.device)
-    total = torch.zeros((), device=p.device)
-    for micro in range(accum):
-        first = (p.rank * accum + micro) * B
-        x, y = X[first:first + B], Y[first:first + B]
-        if p.ddp:
-            model.require_backward_grad_sync = micro == accum - 1   # all-reduce once, at the last
-        with p.ctx:
-            _, loss = model(x, y)
-            loss = loss / accum
-        total += loss.detach()
-        scaler.scale(loss).backward()
-    if cfg['grad_clip']:
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return total
-
-
-def log_losses(pending, seconds, cfg, p, raw_model, progress, bar):
-    """The pending iterations' (iter, lr, loss) to train_log.jsonl and a printed line: one device sync
-    and all-reduce per line. Every process checks the losses, so that all stop on a non-finite one."""
+def synced_losses(pending, ddp, world):
+    """The pending steps' losses as floats, averaged over the processes: one device sync and
+    all-reduce. Every process checks them, so that all stop on a non-finite one."""
     losses = torch.stack([loss for _, _, loss in pending])
-    if p.ddp:
+    if ddp:
         dist.all_reduce(losses)
-        losses /= p.world
+        losses /= world
     losses = losses.tolist()
     for (it, _, _), loss in zip(pending, losses):
         if not math.isfinite(loss):
             raise Diverged('training', loss, it)
-    if p.master:
-        append_jsonl(os.path.join(cfg['out_dir'], 'train_log.jsonl'),
-                     [dict(iter=it, loss=loss, lr=lr) for (it, lr, _), loss in zip(pending, losses)])
-        dt, rows = seconds / len(pending), cfg['batch_size'] * cfg['gradient_accumulation_steps'] // p.world
-        # against a datacenter GPU's peak: meaningless elsewhere
-        mfu = f", mfu {raw_model.estimate_mfu(rows, dt):.2%}" if p.device.startswith('cuda') else ''
-        bar.write(f"iter {progress.iter_num}: loss {sum(losses) / len(losses):.4f}, lr {pending[-1][1]:.2e}, "
-                  f"{dt * 1000:.1f} ms/iter, {tokens_per_iter(cfg) / dt:,.0f} tokens/s{mfu}")
+    return losses
 
 
-def sample(raw_model, prompt, vocab, cfg, p):
+def stop_if_diverged(losses, it, ddp, device):
+    """Raise Diverged on every process if rank 0's loss estimate (losses) holds a non-finite
+    loss."""
+    bad = [(k.split('_')[0], v) for k, v in losses.items() if not math.isfinite(v)]
+    what, value = bad[0] if bad else ('val', 0.0)
+    value = torch.tensor(value, device=device)
+    if ddp:
+        dist.broadcast(value, 0)   # only rank 0 evaluates, but every process must stop
+    if not math.isfinite(value.item()):
+        raise Diverged(what, value.item(), it)
+
+
+def rng_states(ddp):
+    """Every process's torch RNG state (dropout), gathered so that rank 0 can save them all."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    state = (torch.get_rng_state(), cuda)
+    if not ddp:
+        return [state]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def sample(model, prompt, vocab, cfg, device, ctx):
     """num_samples samples from the trained model, generated together."""
-    raw_model.eval()
+    model.eval()
     torch.manual_seed(cfg['seed'])
-    with p.ctx:
-        out = raw_model.generate(torch.tensor([prompt] * cfg['num_samples'], device=p.device),
-                                 cfg['max_new_tokens'], cfg['temperature'], cfg['top_k'] or None)
+    with ctx:
+        out = model.generate(torch.tensor([prompt] * cfg['num_samples'], device=device),
+                             cfg['max_new_tokens'], cfg['temperature'], cfg['top_k'] or None)
     for row in out.tolist():
-        print('sample:\n' + decode(row, vocab))
+        print('sample:\n' + dataset.decode(row, vocab))
 
 
-def main(argv):
-    tolerant_stdout()
-    cfg, given = parse_config(argv)
-    try:
-        with one_line_errors('batch_size (raise gradient_accumulation_steps), block_size, n_embd, n_layer '
-                             'or num_samples'), signals_as_ctrl_c():
-            train(cfg, given) if cfg['mode'] == 'train' else show_config(cfg, given)
-    finally:   # the process ending releases out_dir's lock anyway; this is for main() called in-process
-        unlock()
+def main(argv, attentions=None):
+    """attentions: {attn name: the class of h.{l}.attn} beyond the book's damcha and mha, which GPT
+    takes as its `attention` (the lab's, lab/train.py)."""
+    with one_line_errors('batch_size (raise gradient_accumulation_steps), block_size, n_embd, '
+                         'n_layer or num_samples'), signals_as_ctrl_c():
+        cfg, given = parse_config(argv)
+        if cfg['mode'] == 'config':
+            show_config(cfg, given, attentions or {})
+            return
+        with RunFolder(cfg['out_dir']) as run:   # its lock is let go when the run ends, in any way
+            train(cfg, given, run, attentions or {})
 
 
 if __name__ == '__main__':

@@ -1,23 +1,21 @@
 """
-data/prepare.py: the character-level datasets: download, verify, prepare and load them, and score
-a model on a whole split (eval_char.py's bpc). train_char.py draws its batches from what
-load_dataset returns (get_batch there).
+data/prepare.py: the character-level datasets downloaded, verified and prepared; data/dataset.py
+loads what this writes, for train_char.py and eval_char.py.
 
     python data/prepare.py enwik8                    # download, check and prepare enwik8
     python data/prepare.py shakespeare text8 mix     # several at once; mix is enwik8 and text8
     python data/prepare.py notes.txt --data_dir=/big/disk/data
 
 train_char.py prepares a dataset on its first use, so running this is optional: it does the
-download ahead, on a machine with a network say. From the repository root the trainer, eval_char.py,
-the lab and the notebooks import it: `from data.prepare import load_dataset, encode, decode, split_loss`.
+download ahead, on a machine with a network say.
 
 Datasets are prepared once into <data_dir>/<name>/ (data_dir '' is this folder, data/ in the
 repository; a text file goes into <data_dir>/<its stem>-<8 hex digits of its full path's SHA-256>/,
 its own whatever other file has its name) as uint8 token ids ({train,val,test}.bin, read with
 np.memmap) and meta.json (vocabulary as byte values, split sizes and SHA-256s, source, its
 checksum); preparing one says where it went, on stderr. Two preparations of one folder take turns
-(an flock on it). Each use checks the splits it maps against meta.json (their SHA-256, and their
-token ids against the vocabulary): a damaged split is prepared again from its source, with a note.
+(an flock on it). Each use checks the splits it maps against meta.json (data/dataset.py): a
+damaged split is prepared again from its source, with a note.
     shakespeare  the bundled data/shakespeare/input.txt: its distinct bytes, 90% train / 10% val
                  (no test split, so eval reports val only)
     enwik8       the first 10^8 bytes of English Wikipedia XML: 256 bytes, 90M / 5M / 5M
@@ -40,15 +38,14 @@ import zipfile
 import zlib
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if __name__ == '__main__':   # run as a script: the repository root, which holds configurator.py, is above
     sys.path.insert(0, os.path.dirname(HERE))
-from checkpoint import atomic_write  # noqa: E402
-from configurator import configure, die  # noqa: E402
+from configurator import configure  # noqa: E402
+from run_folder import atomic_write  # noqa: E402
+from shell import die  # noqa: E402
 
 # The downloadable corpora. The tests point these at small archives of their own.
 SOURCES = {
@@ -248,139 +245,6 @@ def corpora(name, data_dir=''):
         if n not in SOURCES and n != 'shakespeare':
             text_file_dir(n, data_dir or HERE)
     return names
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading, text <-> token ids, and the score of a model on a whole split
-
-def load_dataset(name, data_dir='', vocab=None):
-    """(components, vocabulary). A component is one corpus (mix has two): its name, the folder
-    it was prepared in, its splits as memmaps and `lut`, its ids -> model ids (None when they are
-    the same). The vocabulary, a list of byte values, is the union of the components' unless a
-    checkpoint fixes it."""
-    names = corpora(name, data_dir)
-    metas, mapped = zip(*(verified(n, data_dir) for n in names))
-    if vocab is None:
-        vocab = sorted(set().union(*(m['vocab'] for m in metas)))
-    components = []
-    for n, meta, splits in zip(names, metas, mapped):
-        outside = sorted(set(meta['vocab']) - set(vocab))
-        if outside:
-            die(f"dataset {n} has {len(outside)} characters outside the model's vocabulary, "
-                f"e.g. {bytes(outside[:10])!r}")
-        lut = None if meta['vocab'] == vocab else torch.tensor([vocab.index(b) for b in meta['vocab']])
-        components.append(dict(name=n, dir=meta['dir'], lut=lut, splits=splits))
-    return components, vocab
-
-
-def verified(name, data_dir):
-    """(meta, splits as memmaps) of a prepared dataset, the very bytes that a run reads checked
-    against meta.json: a damaged split (or the splits of two preparations mixed) is prepared again
-    from its source, with a note; where the source is gone, preparing says so in one line."""
-    meta = prepare(name, data_dir)
-    for again in (False, True):
-        splits = {s: np.memmap(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8, mode='r') if size
-                  else np.zeros(0, dtype=np.uint8) for s, size in meta['splits'].items()}
-        damage = '; '.join(f'{s}.bin {why}' for s, ids in splits.items()
-                           if (why := split_damage(ids, meta['sha256'][s], len(meta['vocab']))))
-        if not damage:
-            return meta, splits
-        if again:
-            die(f"{meta['dir']}: {damage}, though just prepared again from its source: is the disk failing?")
-        print(f"note: {meta['dir']}: {damage}; preparing it again from its source ({meta['source']})",
-              file=sys.stderr)
-        meta = prepare(name, data_dir, again=True)
-
-
-def split_damage(ids, sha256, vocab_size):
-    """What is wrong with a split's token ids, or None: the SHA-256 that meta.json gives them (one
-    read of the data, a small part of a run's start-up), and their largest against the vocabulary."""
-    if hashlib.sha256(ids).hexdigest() != sha256:
-        return "does not match its SHA-256 in meta.json (damaged, or overwritten)"
-    if len(ids) and ids.max() >= vocab_size:
-        return f"holds token id {ids.max()}, past its {vocab_size}-symbol vocabulary"
-    return None
-
-
-def check_lengths(components, splits, block_size):
-    for c in components:
-        for s in splits:
-            if s in c['splits'] and len(c['splits'][s]) <= block_size:
-                die(f"the {s} split of {c['name']} has {len(c['splits'][s])} tokens, "
-                    f"too few for block_size={block_size}")
-
-
-def encode(start, vocab, block_size):
-    """The prompt's token ids. The model reads bytes, so a prompt is bytes: FILE:path is read as
-    bytes (any, UTF-8 or not), and a command-line prompt is the bytes it was typed as (Python
-    hands on bytes that are not UTF-8 as surrogate escapes, which turn back into them here)."""
-    if start.startswith('FILE:'):
-        try:
-            with open(start[5:], 'rb') as f:
-                data = f.read(block_size + 1)   # a token past the context tells one too long; /dev/zero ends
-        except OSError as e:
-            die(f"cannot read the prompt from {start[5:]}: {e}")
-    elif start == '':
-        default = [b for b in b'\n ' if b in vocab]
-        if not default:
-            die("the dataset has neither a newline nor a space, one of which an empty --start stands for: "
-                "give a prompt with --start")
-        data = bytes(default[:1])
-    else:
-        try:
-            data = start.encode('utf-8', errors='surrogateescape')
-        except UnicodeEncodeError as e:
-            die(f"the prompt cannot be written as bytes: {e.reason} at character {e.start} ({start[e.start]!r})")
-    index = {b: i for i, b in enumerate(vocab)}
-    if set(data) - set(index):
-        text = data.decode('utf-8', errors='surrogateescape')   # whole characters, for the message
-        outside = sorted({ch for ch in text if set(ch.encode('utf-8', errors='surrogateescape')) - set(index)})
-        die(f"the prompt has characters outside the model's {len(vocab)}-symbol vocabulary: "
-            + ' '.join(repr(ch.encode('utf-8', errors='surrogateescape') if '\udc80' <= ch <= '\udcff' else ch)
-                       for ch in outside))
-    ids = [index[b] for b in data]
-    if not ids:
-        die("the prompt is empty")
-    if len(ids) > block_size:
-        die(f"the prompt is {f'over {block_size}' if start.startswith('FILE:') else len(ids)} tokens, longer than "
-            f"the model's context (block_size={block_size})")
-    return ids
-
-
-def decode(ids, vocab):
-    # ids past the vocabulary (a vocab_size set larger than it) become 0xFF, which shows as U+FFFD
-    return bytes(vocab[i] if i < len(vocab) else 0xFF for i in ids).decode('utf-8', errors='replace')
-
-
-@torch.no_grad()
-def split_loss(model, data, lut, cfg, device, ctx, desc=''):
-    """Mean loss of model(x, y) -> (logits, _) over every next-token target of a split's ids `data`
-    (all but its first token), as eval_char.py scores it; cfg: block_size, stride
-    and batch_size. Windows of block_size start every `stride` tokens (0: block_size); each scores
-    only targets not scored before, so with a stride below block_size each target past the first
-    window sees at least block_size - stride + 1 tokens of context. Returns (mean loss in nats, number of targets)."""
-    T, batch_size = cfg['block_size'], cfg['batch_size']
-    stride = cfg['stride'] or T
-    starts = list(range(0, len(data) - T, stride))
-    if starts[-1] != len(data) - T - 1:
-        starts.append(len(data) - T - 1)   # a last window flush with the end
-    skips, scored = [], 1                  # scored: first target position not yet scored
-    for s in starts:
-        skips.append(scored - (s + 1))
-        scored = s + T + 1
-    total, count = 0.0, 0
-    for b in tqdm(range(0, len(starts), batch_size), desc=desc, unit='batch'):
-        batch = starts[b:b + batch_size]
-        rows = torch.stack([torch.from_numpy(data[s:s + T + 1].astype(np.int64)) for s in batch])
-        rows = (rows if lut is None else lut[rows]).to(device)
-        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-        with ctx:
-            logits, _ = model(x, y)
-        nll = F.cross_entropy(logits.float().transpose(1, 2), y, reduction='none')   # (B, T)
-        keep = torch.arange(T, device=device) >= torch.tensor(skips[b:b + len(batch)], device=device)[:, None]
-        total += nll[keep].double().sum().item()
-        count += int(keep.sum())
-    return total / count, count
 
 
 def main(argv):

@@ -64,7 +64,8 @@ if ROOT not in sys.path:   # run as a file (python lab/bench.py): the book's mod
     sys.path.insert(0, ROOT)
 
 import damcha_numpy
-from configurator import configure, die
+from configurator import configure
+from shell import die
 from damcha_torch import GPT, GPTConfig, MetricQuery, compute_metric
 from lab.counts import count_params, equal_params_width, estimate_mfu
 

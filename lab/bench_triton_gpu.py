@@ -68,7 +68,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repos
 if ROOT not in sys.path:   # run as a file (python lab/bench_triton_gpu.py): the book's modules are in the root
     sys.path.insert(0, ROOT)
 
-from configurator import configure, die
+from configurator import configure
+from shell import die
 from damcha_torch import GPT, GPTConfig
 from lab.counts import count_params, equal_params_width, flops_per_token
 

@@ -79,11 +79,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repos
 if ROOT not in sys.path:   # run as a file (python lab/reproduce.py): the book's modules are in the root
     sys.path.insert(0, ROOT)
 
-from checkpoint import DIVERGED, lock_out_dir, pick_device, read_jsonl, unlock
-from configurator import Interrupted, configure, die, exit_status, signals_as_ctrl_c, to_json
+from configurator import configure
 from damcha_torch import GPTConfig
 from lab.counts import count_params, equal_params_width
-from data.prepare import atomic_write, load_dataset
+from data.dataset import load_dataset
+from device import pick_device
+from run_folder import RunFolder, atomic_write, read_jsonl, to_json
+from shell import DIVERGED, Interrupted, die, exit_status, signals_as_ctrl_c
 
 TRAIN_CHAR = os.path.join(ROOT, 'lab', 'train.py')   # train_char.py with the lab's attentions registered
 EVAL_CHAR = os.path.join(ROOT, 'lab', 'eval.py')     # eval_char.py likewise
@@ -350,12 +352,12 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
             "give its settings, or another --out_root")
     logs = [os.path.join(out_dir, n) for n in ('log.jsonl', 'train_log.jsonl')]
     if trained is None and any(os.path.exists(p) for p in logs):   # train_char.py keeps them from a new run
-        lock_out_dir(out_dir)   # refused in one line while another process trains this run
-        print(f"note: {run} was stopped before its first checkpoint; its logs in {out_dir} are removed and it "
-              "starts again", flush=True)
-        for path in filter(os.path.exists, logs):
-            os.remove(path)
-        unlock()
+        with RunFolder(out_dir) as folder:
+            folder.lock()   # refused in one line while another process trains this run
+            print(f"note: {run} was stopped before its first checkpoint; its logs in {out_dir} are removed "
+                  "and it starts again", flush=True)
+            for path in filter(os.path.exists, logs):
+                os.remove(path)
     if trained == max_iters:
         print(f"{run}: trained, {out_dir}/ckpt.pt is at max_iters; evaluating it", flush=True)
     else:
@@ -510,7 +512,7 @@ def training_split_file(folder, data_dir):
         components, vocab = load_dataset('shakespeare', data_dir)
         os.makedirs(folder, exist_ok=True)
         with atomic_write(path) as f:
-            f.write(bytes(bytearray(vocab[i] for i in components[0]['splits']['train'].tolist())))
+            f.write(bytes(bytearray(vocab[i] for i in components[0].splits['train'].tolist())))
     return path
 
 

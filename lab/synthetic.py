@@ -73,7 +73,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repos
 if ROOT not in sys.path:   # run as a file (python lab/synthetic.py): the book's modules are in the root
     sys.path.insert(0, ROOT)
 
-from configurator import configure, die, to_json
+from configurator import configure
+from run_folder import to_json
+from shell import die
 from damcha_torch import Block, GPTConfig, add_metric, configure_optimizers, get_lr, init_weights, shares_metric, stack_forward
 from lab.counts import count_params, equal_params_width
 

@@ -33,7 +33,8 @@ import torch
 import data.prepare as prep
 import eval_char as ec
 import train_char as tc
-from checkpoint import lock_out_dir, read_jsonl, unlock
+from data import dataset
+from run_folder import RunFolder, read_jsonl
 from common import digest, lab_runs_in_process
 from lab import reproduce, synthetic
 from test_reliability import ENV, ROOT, TINY, cli, fails, one_line_error, wait_for
@@ -140,7 +141,7 @@ def test_a_damaged_split_is_noted_and_prepared_again_never_used(run, tmp_path, d
     os.remove(tmp_path / 'data' / 'enwik8' / 'enwik8.zip')
     (tmp_path / 'data' / 'enwik8' / 'test.bin').write_bytes(b'\0' * 200)
     with pytest.raises(SystemExit, match='could not download http://127.0.0.1:9/unreachable.zip'):
-        prep.load_dataset('enwik8', str(tmp_path / 'data'))
+        dataset.load_dataset('enwik8', str(tmp_path / 'data'))
 
 
 def flip(path, entry_size, value=None):
@@ -194,16 +195,16 @@ def test_a_new_run_never_replaces_the_logs_of_another(run, tmp_path, data_dir, m
     (empty / 'train_log.jsonl').write_text('')
     tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={empty}', '--max_iters=2'])
 
-    # a real SIGTERM, sent to this process from its 10th training step (test_sigterm_and_sighup_stop_a_run_as_ctrl_c_does
+    # a real SIGTERM, sent to this process at its 10th training iteration (test_sigterm_and_sighup_stop_a_run_as_ctrl_c_does
     # sends it to a train_char.py process), before the run's first checkpoint
-    step, steps = tc.train_step, []
+    get_lr, steps = tc.get_lr, []
 
-    def step_then_sigterm(*args):
-        steps.append(step(*args))
+    def lr_then_sigterm(*args):   # called once an iteration, before its step
+        steps.append(args[0])
         if len(steps) == 10:
             os.kill(os.getpid(), signal.SIGTERM)
-        return steps[-1]
-    monkeypatch.setattr(tc, 'train_step', step_then_sigterm)
+        return get_lr(*args)
+    monkeypatch.setattr(tc, 'get_lr', lr_then_sigterm)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "early"}', '--eval_interval=1000',
@@ -319,8 +320,8 @@ def test_sigterm_to_reproduce_stops_its_training_run_and_the_same_command_resume
     assert 'interrupted at iter ' in stderr and stderr.strip().endswith(
         'interrupted: finished runs are kept, and the same command resumes the rest'), stderr[-2000:]
     out = tmp_path / 'out' / 'mha-seed1'
-    lock_out_dir(str(out))   # no training run is left holding it
-    unlock()
+    with RunFolder(str(out)) as folder:
+        folder.lock()   # no training run is left holding it
     lab_runs_in_process(monkeypatch)
     capsys.readouterr()
     reproduce.main(args[1:])

@@ -27,7 +27,7 @@ import torch
 import damcha_numpy
 import eval_char as ec
 import train_char as tc
-from checkpoint import atomic_write, read_jsonl
+from run_folder import atomic_write, read_jsonl
 from common import digest, sigint_default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

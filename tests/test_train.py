@@ -31,10 +31,12 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-import checkpoint
-import checks
 import damcha_torch
 import data.prepare as prep
+import device
+from data import dataset
+from run_folder import RunFolder, read_jsonl
+from shell import DIVERGED
 import eval_char as ec
 import train_char as tc
 from common import digest
@@ -167,7 +169,7 @@ def test_help_prints_the_docstring_and_every_default(capsys):
         assert line.startswith(f'  {k}={v!r}  ') and len(line.removeprefix(f'  {k}={v!r}').split()) >= 2, line
     described = dict(line.split(maxsplit=1) for line in lines)
     assert described["lr_decay_iters=2000"] == "iteration where the decay reaches min_lr; unless set, max_iters"
-    assert described["snapshot_iters=''"].endswith('in out_dir/snapshot-<iter>.pt (notebooks/04 reads them)')   # two lines
+    assert described["snapshot_iters=''"].endswith('in out_dir/snapshot-<iter>.pt (a notebook reads them)')   # three lines
     assert described["n_head=4"].startswith('H, heads')   # from GPTConfig's fields, in damcha_torch.py
 
 
@@ -239,10 +241,10 @@ def test_the_interpreted_kernel_is_refused_in_16_bit(monkeypatch):
         pytest.skip("needs the triton package")
     monkeypatch.setenv('TRITON_INTERPRET', '1')
     with pytest.raises(SystemExit, match="which cannot train in bfloat16; use --dtype=float32"):
-        checks.check_kernel('triton', 'cpu', 'bfloat16')
-    checks.check_kernel('triton', 'cpu', 'float32')
+        device.check_kernel('triton', 'cpu', 'bfloat16')
+    device.check_kernel('triton', 'cpu', 'float32')
     for dtype in ('float32', 'bfloat16', 'float16'):
-        checks.check_kernel('triton', 'cuda', dtype)
+        device.check_kernel('triton', 'cuda', dtype)
 
 
 def test_config_mode_prints_the_composed_settings(monkeypatch, capsys):
@@ -340,11 +342,11 @@ def test_a_split_needs_more_tokens_than_the_context_and_a_file_its_own_folder(tm
     """A window is block_size + 1 tokens: a split of exactly block_size is refused in one line,
     and a prompt of block_size bytes is taken. A text file named like a dataset is prepared into
     a folder of its own, never over that dataset's prepared folder."""
-    split = dict(name='notes', splits=dict(val=np.zeros(16, dtype=np.uint8)))
+    split = dataset.Corpus('notes', '', dict(val=np.zeros(16, dtype=np.uint8)), None)
     with pytest.raises(SystemExit, match='the val split of notes has 16 tokens, too few for block_size=16'):
-        prep.check_lengths([split], ('val',), 16)
-    prep.check_lengths([split], ('val',), 15)
-    assert prep.encode('a' * 16, [97], 16) == [0] * 16
+        dataset.check_lengths([split], ('val',), 16)
+    dataset.check_lengths([split], ('val',), 15)
+    assert dataset.encode('a' * 16, [97], 16) == [0] * 16
     (tmp_path / 'enwik8.txt').write_text('abc' * 100)
     meta = prep.prepare(str(tmp_path / 'enwik8.txt'), str(tmp_path / 'data'))
     assert os.path.basename(meta['dir']).startswith('enwik8-') and not (tmp_path / 'data' / 'enwik8').exists()
@@ -425,9 +427,9 @@ def test_enwik8_text8_and_mix_from_archives(corpora, monkeypatch, capsys):
         assert prep.prepare(name, str(data))['splits'] == meta['splits']
     assert len(prep.SOURCES['text8']['vocab']) == 27 and bytes(prep.SOURCES['text8']['vocab'][:2]) == b' a'
 
-    components, vocab = prep.load_dataset('mix', str(data))
-    assert vocab == list(range(256)) and [c['name'] for c in components] == ['enwik8', 'text8']
-    assert [c['dir'] for c in components] == [str(data / 'enwik8'), str(data / 'text8')]
+    components, vocab = dataset.load_dataset('mix', str(data))
+    assert vocab == list(range(256)) and [c.name for c in components] == ['enwik8', 'text8']
+    assert [c.dir for c in components] == [str(data / 'enwik8'), str(data / 'text8')]
     x, y = tc.get_batch(components, 'train', 4000, 16, torch.Generator().manual_seed(0), 'cpu')
     # the rows as get_batch draws them: a corpus each, then a start in its train split (3600 tokens)
     generator = torch.Generator().manual_seed(0)
@@ -436,7 +438,7 @@ def test_enwik8_text8_and_mix_from_archives(corpora, monkeypatch, capsys):
     assert abs(which.float().mean().item() - 0.5) < 0.03   # each row from either with probability 1/2
     raw = {n: np.frombuffer(contents[n], dtype=np.uint8) for n in contents}
     for row, (c, o) in enumerate(zip(which.tolist(), offsets.tolist())):
-        expected = raw[components[c]['name']][o:o + 17]   # text8 rows come as bytes, like enwik8's
+        expected = raw[components[c].name][o:o + 17]   # text8 rows come as bytes, like enwik8's
         assert x[row].tolist() == expected[:-1].tolist() and y[row].tolist() == expected[1:].tolist()
     assert x.is_contiguous() and y.is_contiguous() and x.dtype == y.dtype == torch.int64
 
@@ -567,7 +569,7 @@ def test_command_line_train_resume_sample(tmp_path, data_dir, capsys):
     common = [*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--learning_rate=1e-2']
     result = cli(*common, '--max_iters=60', '--eval_interval=30')
     assert result.returncode == 0, result.stderr
-    val = [e['val_loss'] for e in checkpoint.read_jsonl(out / 'log.jsonl')]
+    val = [e['val_loss'] for e in read_jsonl(out / 'log.jsonl')]
     assert len(val) == 3 and val[0] > val[1] > val[2], val
     assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 60
     assert 'sample:' in result.stdout and ' tokens/s' in result.stdout
@@ -578,10 +580,10 @@ def test_command_line_train_resume_sample(tmp_path, data_dir, capsys):
     stdout = capsys.readouterr().out
     assert f"resuming from {out / 'ckpt.pt'} at iter 60" in stdout
     assert stdout.count('sample:\n') == 2, stdout[-500:]   # --num_samples
-    assert [e['iter'] for e in checkpoint.read_jsonl(out / 'log.jsonl')] == [0, 30, 60, 90]
-    rates = [e['lr'] for e in checkpoint.read_jsonl(out / 'train_log.jsonl')]
+    assert [e['iter'] for e in read_jsonl(out / 'log.jsonl')] == [0, 30, 60, 90]
+    rates = [e['lr'] for e in read_jsonl(out / 'train_log.jsonl')]
     assert len(rates) == 90 and rates[0] < rates[10] > rates[89]   # warm-up, then decay
-    assert [e['lr'] for e in checkpoint.read_jsonl(out / 'log.jsonl')][:3] == [rates[0], rates[30], rates[60]]
+    assert [e['lr'] for e in read_jsonl(out / 'log.jsonl')][:3] == [rates[0], rates[30], rates[60]]
 
     tc.main(['--init_from=resume', f'--out_dir={out}', '--mode=config', '--max_iters=120'])   # the run a resume would be
     shown = json.loads(capsys.readouterr().out)
@@ -608,10 +610,10 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_dir):
         with open(tmp_path / 'b' / log, 'a') as f:
             f.write(json.dumps(dict(iter=5, loss=0.0, val_loss=0.0)) + '\n')
     run(f'--out_dir={tmp_path / "b"}', '--init_from=resume', '--max_iters=8')
-    a, b = (checkpoint.read_jsonl(tmp_path / d / 'train_log.jsonl') for d in 'ab')
+    a, b = (read_jsonl(tmp_path / d / 'train_log.jsonl') for d in 'ab')
     assert [e['iter'] for e in b] == list(range(8))
     assert a == b                                    # every loss and learning rate, bit for bit
-    a, b = (checkpoint.read_jsonl(tmp_path / d / 'log.jsonl') for d in 'ab')
+    a, b = (read_jsonl(tmp_path / d / 'log.jsonl') for d in 'ab')
     assert [(e['val_loss'], e['tokens']) for e in a] == [(e['val_loss'], e['tokens']) for e in b]
     assert all(x['time'] <= y['time'] for x, y in zip(b, b[1:]))   # the clock carries on from the checkpoint
 
@@ -645,10 +647,10 @@ def test_each_step_follows_the_schedule_clips_and_keeps_the_best(tmp_path, data_
         if it < 2:
             return 1e-3 * (it + 1) / 3
         return 1e-4 + 0.5 * (1 + math.cos(math.pi * min(it - 2, 8) / 8)) * 9e-4
-    logged = [e['lr'] for e in checkpoint.read_jsonl(out / 'train_log.jsonl')]
+    logged = [e['lr'] for e in read_jsonl(out / 'train_log.jsonl')]
     assert logged == pytest.approx([lr(it) for it in range(12)], rel=1e-12)
     assert [group_lrs.pop() for group_lrs in schedule if len(group_lrs) == 1] == logged   # one lr for all groups
-    assert [e['lr'] for e in checkpoint.read_jsonl(tmp_path / 'flat' / 'train_log.jsonl')] == [1e-3] * 3
+    assert [e['lr'] for e in read_jsonl(tmp_path / 'flat' / 'train_log.jsonl')] == [1e-3] * 3
     assert stepped == [{1e-3}] * 3
     assert norms == [0.5] * 12 + [1.0] * 3   # the flat run clips at the default grad_clip
     ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
@@ -664,7 +666,7 @@ def test_estimate_loss_scores_each_split_on_its_own_tokens(tmp_path):
     tokens (a file whose train part is one byte and whose val part another)."""
     text = tmp_path / 'two.txt'
     text.write_bytes(b'a' * 900 + b'b' * 100)   # 90 / 5 / 5: train all 'a' (id 0), val all 'b' (id 1)
-    components, _ = prep.load_dataset(str(text), str(tmp_path / 'data'))
+    components, _ = dataset.load_dataset(str(text), str(tmp_path / 'data'))
     class MeanTarget(torch.nn.Module):
         def forward(self, x, y):
             return None, y.double().mean()
@@ -680,7 +682,7 @@ def test_micro_batches_change_neither_the_training_nor_the_estimates(tmp_path, d
     run(*common, f'--out_dir={tmp_path / "one"}')
     run(*common, '--batch_size=2', '--gradient_accumulation_steps=2', f'--out_dir={tmp_path / "two"}')
     for log in ('train_log.jsonl', 'log.jsonl'):
-        one, two = (checkpoint.read_jsonl(tmp_path / d / log) for d in ('one', 'two'))
+        one, two = (read_jsonl(tmp_path / d / log) for d in ('one', 'two'))
         for key in ('loss', 'train_loss', 'val_loss'):
             if key in one[0]:
                 np.testing.assert_allclose([e[key] for e in two], [e[key] for e in one], rtol=1e-5)
@@ -690,8 +692,8 @@ def test_a_resume_takes_this_runs_weight_decay_and_betas(tmp_path, data_dir, mon
     out = tmp_path / 'out'
     run(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=2')
     optimizers = []
-    restore = tc.restore
-    monkeypatch.setattr(tc, 'restore', lambda ckpt, optimizer, *a: optimizers.append(optimizer) or restore(ckpt, optimizer, *a))
+    restore = tc.checkpoint.restore
+    monkeypatch.setattr(tc.checkpoint, 'restore', lambda ckpt, optimizer, *a: optimizers.append(optimizer) or restore(ckpt, optimizer, *a))
     run(f'--out_dir={out}', '--init_from=resume', '--max_iters=4', '--weight_decay=0.0', '--beta1=0.5', '--beta2=0.9')
     decay, no_decay = optimizers[0].param_groups
     assert decay['weight_decay'] == no_decay['weight_decay'] == 0.0
@@ -707,7 +709,7 @@ def test_ddp_on_two_cpu_processes_matches_one_process(tmp_path, data_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count('sample:') == 1      # only rank 0 logs and samples
     run(*common, f'--out_dir={tmp_path / "one"}')
-    ddp, one = (checkpoint.read_jsonl(tmp_path / d / 'train_log.jsonl') for d in ('ddp', 'one'))
+    ddp, one = (read_jsonl(tmp_path / d / 'train_log.jsonl') for d in ('ddp', 'one'))
     assert [e['iter'] for e in ddp] == [0, 1, 2, 3]
     np.testing.assert_allclose([e['loss'] for e in ddp], [e['loss'] for e in one], rtol=1e-4)
     ckpt = torch.load(tmp_path / 'ddp' / 'ckpt.pt', weights_only=True)
@@ -735,12 +737,10 @@ def test_the_lock_names_only_the_run_that_holds_it(tmp_path):
     out = tmp_path / 'out'
     out.mkdir()
     (out / 'train.lock').write_text('pid 1, started 2000-01-01 00:00:00, command: python train_char.py --old\n')
-    checkpoint.lock_out_dir(str(out))
-    try:
+    with RunFolder(str(out)) as first, RunFolder(str(out)) as second:
+        first.lock()
         with pytest.raises(SystemExit) as e:
-            checkpoint.lock_out_dir(str(out))   # another open file: flock refuses it, as it would another process
-    finally:
-        checkpoint.HELD.pop().close()
+            second.lock()   # another open file: flock refuses it, as it would another process
     message = e.value.code
     assert message.startswith(f'error: {out} is in use by another training run (pid {os.getpid()}, started ')
     assert 'pid 1,' not in message and '--old' not in message
@@ -766,19 +766,19 @@ def test_non_finite_loss_stops_and_keeps_the_checkpoint(trained, monkeypatch, tm
             return logits, loss * float('nan') if self.training else loss
 
     before = digest(trained / 'ckpt.pt')
-    monkeypatch.setattr(checkpoint, 'GPT', Diverging)   # build_model's GPT
+    monkeypatch.setattr(tc, 'GPT', Diverging)   # the trainer's model
     with pytest.raises(SystemExit) as e:
         run('--init_from=resume', f'--out_dir={trained}', '--max_iters=40')
-    assert e.value.code == checkpoint.DIVERGED
+    assert e.value.code == DIVERGED
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert message.startswith('error: the training loss became nan at iter 20') and 'iter 20) is the last good checkpoint' in message
     assert digest(trained / 'ckpt.pt') == before
-    monkeypatch.setattr(checkpoint, 'GPT', damcha_torch.GPT)   # training is fine, the evaluation is not
+    monkeypatch.setattr(tc, 'GPT', damcha_torch.GPT)   # training is fine, the evaluation is not
     monkeypatch.setattr(tc, 'estimate_loss', lambda *a: dict(train_loss=1.0, val_loss=float('inf'), val_bpc=0.0))
     shutil.copytree(trained, tmp_path / 'copy')        # it trains on: the shared run's logs stay as they are
     with pytest.raises(SystemExit) as e:
         run('--init_from=resume', f'--out_dir={tmp_path / "copy"}', '--max_iters=40')
-    assert e.value.code == checkpoint.DIVERGED
+    assert e.value.code == DIVERGED
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith('error: the val loss became inf at iter 30')
     assert digest(tmp_path / 'copy' / 'ckpt.pt') == before
 
@@ -813,23 +813,23 @@ def test_split_loss_is_the_mean_over_every_target(monkeypatch):
         def forward(self, x, y):
             return W[x], None
     data = np.random.default_rng(0).integers(0, 5, 103).astype(np.uint8)
-    lut = torch.tensor([7, 1, 3, 0, 5])                     # the split's ids -> a model's 8-symbol vocabulary
-    ids = lut[torch.from_numpy(data.astype(np.int64))]
+    lut = np.array([7, 1, 3, 0, 5])                         # the split's ids -> a model's 8-symbol vocabulary
+    ids = torch.from_numpy(lut[data.astype(np.int64)])
     want = torch.nn.functional.cross_entropy(W[ids[:-1]], ids[1:]).item()
-    monkeypatch.setattr(prep, 'tqdm', lambda it, **_: it)
+    monkeypatch.setattr(ec, 'tqdm', lambda it, **_: it)
     for stride in (0, 1, 5, 16):
         for batch_size in (1, 3):
-            loss, count = prep.split_loss(Bigram(), data, lut, dict(block_size=16, stride=stride, batch_size=batch_size),
+            loss, count = ec.split_loss(Bigram(), data, lut, dict(block_size=16, stride=stride, batch_size=batch_size),
                                           'cpu', contextlib.nullcontext())
             assert count == 102 and loss == pytest.approx(want, rel=1e-6), (stride, batch_size)   # float32 logits
 
 
 def test_rows_cover_every_window_and_an_empty_prompt_is_a_newline():
     data = np.arange(18, dtype=np.uint8)                    # block_size 16: two windows of 17 tokens
-    x, y = tc.get_batch([dict(splits=dict(train=data), lut=None)], 'train', 2000, 16, torch.Generator().manual_seed(0), 'cpu')
+    x, y = tc.get_batch([dataset.Corpus('bytes', '', dict(train=data), None)], 'train', 2000, 16, torch.Generator().manual_seed(0), 'cpu')
     assert set(x[:, 0].tolist()) == {0, 1} and (y == x + 1).all()
-    assert prep.encode('', [10, 32, 97], 8) == [0]          # a newline where there is one,
-    assert prep.encode('', [32, 97], 8) == [0]              # else a space (text8)
+    assert dataset.encode('', [10, 32, 97], 8) == [0]          # a newline where there is one,
+    assert dataset.encode('', [32, 97], 8) == [0]              # else a space (text8)
 
 
 def test_text8_with_a_symbol_outside_its_vocabulary_is_refused(tmp_path, monkeypatch):
@@ -847,7 +847,7 @@ def test_mix_training_and_eval_report_both_corpora(corpora, capsys, monkeypatch)
     data, _ = corpora
     out = data / 'out'
     run(*TINY, '--dataset=mix', f'--data_dir={data}', f'--out_dir={out}', '--max_iters=2', '--eval_interval=2')
-    entry = checkpoint.read_jsonl(out / 'log.jsonl')[-1]
+    entry = read_jsonl(out / 'log.jsonl')[-1]
     assert entry['val_loss'] == pytest.approx((entry['val_loss_enwik8'] + entry['val_loss_text8']) / 2)
     assert {'val_bpc_enwik8', 'val_bpc_text8', 'train_loss_enwik8', 'train_loss_text8'} <= set(entry)
     assert f"val bpc {entry['val_bpc']:.4f}, enwik8 {entry['val_bpc_enwik8']:.4f}, text8 " in capsys.readouterr().out
@@ -917,7 +917,7 @@ def test_samples_are_printed_as_they_are_generated(trained, monkeypatch, capsys)
             real.flush()
     real = sys.stdout
     monkeypatch.setattr(sys, 'stdout', Stdout())
-    monkeypatch.setattr(checkpoint, 'GPT', Recording)
+    monkeypatch.setattr(ec, 'GPT', Recording)
     run_eval('--mode=sample', f'--out_dir={trained}', '--start=ROMEO:', '--num_samples=3', '--max_new_tokens=5')
     seen.append((capsys.readouterr().out, len(flushes)))
     assert seen[0] == ('', 0)
@@ -927,10 +927,10 @@ def test_samples_are_printed_as_they_are_generated(trained, monkeypatch, capsys)
 
 
 def test_auto_precision_is_float32_off_cuda():
-    for device in ('cpu', 'mps'):
-        dtype, ctx = checkpoint.autocast_for(device, 'auto')
+    for name in ('cpu', 'mps'):
+        dtype, ctx = device.autocast_for(name, 'auto')
         assert dtype == 'float32' and isinstance(ctx, contextlib.nullcontext)
-    dtype, ctx = checkpoint.autocast_for('cpu', 'bfloat16')
+    dtype, ctx = device.autocast_for('cpu', 'bfloat16')
     assert dtype == 'bfloat16' and isinstance(ctx, torch.autocast) and ctx.fast_dtype == torch.bfloat16
 
 
@@ -940,7 +940,7 @@ def test_plot_of_several_runs(trained, tmp_path):
     with open(png, 'rb') as f:
         assert f.read(8) == b'\x89PNG\r\n\x1a\n'
     import matplotlib.pyplot as plt
-    log = checkpoint.read_jsonl(trained / 'log.jsonl')
+    log = read_jsonl(trained / 'log.jsonl')
     by_tokens, by_time = plt.gcf().axes   # val bpc against tokens, and against minutes: a line per run
     for ax, x in ((by_tokens, [e['tokens'] for e in log]), (by_time, [e['time'] / 60 for e in log])):
         assert len(ax.lines) == 2

@@ -1,0 +1,125 @@
+"""
+data/dataset.py: a prepared dataset loaded for training and evaluation: each corpus's splits mapped
+into memory (np.memmap, checked against meta.json), the vocabulary, and text <-> token ids.
+data/prepare.py downloads and prepares the datasets on first use.
+
+    from data.dataset import load_dataset, encode, decode
+    corpora, vocab = load_dataset('shakespeare')     # corpora[0].splits['train']: uint8 token ids
+"""
+import dataclasses
+import hashlib
+import os
+import sys
+
+import numpy as np
+
+from data.prepare import corpora, prepare
+from shell import die
+
+
+@dataclasses.dataclass
+class Corpus:
+    """One corpus of a dataset, as train_char.get_batch and eval_char read it (mix has two)."""
+    name: str                 # enwik8, text8, shakespeare or a text file's path
+    dir: str                  # the folder it was prepared in
+    splits: dict              # {'train', 'val'(, 'test'): uint8 token ids, memory-mapped}
+    lut: np.ndarray | None    # its token ids -> the model's (mix: text8's 27 into 256); None: the same
+
+
+def load_dataset(name, data_dir='', vocab=None):
+    """(corpora, vocabulary): a Corpus per corpus of the dataset (mix has two), prepared on first
+    use. The vocabulary, a list of byte values, is the union of the corpora's unless a checkpoint
+    fixes it."""
+    names = corpora(name, data_dir)
+    metas, mapped = zip(*(verified(n, data_dir) for n in names))
+    if vocab is None:
+        vocab = sorted(set().union(*(m['vocab'] for m in metas)))
+    components = []
+    for n, meta, splits in zip(names, metas, mapped):
+        outside = sorted(set(meta['vocab']) - set(vocab))
+        if outside:
+            die(f"dataset {n} has {len(outside)} characters outside the model's vocabulary, "
+                f"e.g. {bytes(outside[:10])!r}")
+        lut = None if meta['vocab'] == vocab else np.array([vocab.index(b) for b in meta['vocab']])
+        components.append(Corpus(n, meta['dir'], splits, lut))
+    return components, vocab
+
+
+def verified(name, data_dir):
+    """(meta, splits as memmaps) of a prepared dataset, the very bytes that a run reads checked
+    against meta.json: a damaged split (or the splits of two preparations mixed) is prepared again
+    from its source, with a note; where the source is gone, preparing says so in one line."""
+    meta = prepare(name, data_dir)
+    for again in (False, True):
+        splits = {s: np.memmap(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8, mode='r') if size
+                  else np.zeros(0, dtype=np.uint8) for s, size in meta['splits'].items()}
+        damage = '; '.join(f'{s}.bin {why}' for s, ids in splits.items()
+                           if (why := split_damage(ids, meta['sha256'][s], len(meta['vocab']))))
+        if not damage:
+            return meta, splits
+        if again:
+            die(f"{meta['dir']}: {damage}, though just prepared again from its source: is the disk failing?")
+        print(f"note: {meta['dir']}: {damage}; preparing it again from its source ({meta['source']})",
+              file=sys.stderr)
+        meta = prepare(name, data_dir, again=True)
+
+
+def split_damage(ids, sha256, vocab_size):
+    """What is wrong with a split's token ids, or None: the SHA-256 that meta.json gives them (one
+    read of the data, a small part of a run's start-up), and their largest against the vocabulary."""
+    if hashlib.sha256(ids).hexdigest() != sha256:
+        return "does not match its SHA-256 in meta.json (damaged, or overwritten)"
+    if len(ids) and ids.max() >= vocab_size:
+        return f"holds token id {ids.max()}, past its {vocab_size}-symbol vocabulary"
+    return None
+
+
+def check_lengths(components, splits, block_size):
+    """Refuse a split too short for one row of block_size + 1 tokens."""
+    for c in components:
+        for s in splits:
+            if s in c.splits and len(c.splits[s]) <= block_size:
+                die(f"the {s} split of {c.name} has {len(c.splits[s])} tokens, "
+                    f"too few for block_size={block_size}")
+
+
+def encode(start, vocab, block_size):
+    """The prompt's token ids. The model reads bytes, so a prompt is bytes: FILE:path is read as
+    bytes (any, UTF-8 or not), and a command-line prompt is the bytes it was typed as (Python
+    hands on bytes that are not UTF-8 as surrogate escapes, which turn back into them here)."""
+    if start.startswith('FILE:'):
+        try:
+            with open(start[5:], 'rb') as f:
+                data = f.read(block_size + 1)   # a token past the context tells one too long; /dev/zero ends
+        except OSError as e:
+            die(f"cannot read the prompt from {start[5:]}: {e}")
+    elif start == '':
+        default = [b for b in b'\n ' if b in vocab]
+        if not default:
+            die("the dataset has neither a newline nor a space, one of which an empty --start stands for: "
+                "give a prompt with --start")
+        data = bytes(default[:1])
+    else:
+        try:
+            data = start.encode('utf-8', errors='surrogateescape')
+        except UnicodeEncodeError as e:
+            die(f"the prompt cannot be written as bytes: {e.reason} at character {e.start} ({start[e.start]!r})")
+    index = {b: i for i, b in enumerate(vocab)}
+    if set(data) - set(index):
+        text = data.decode('utf-8', errors='surrogateescape')   # whole characters, for the message
+        outside = sorted({ch for ch in text if set(ch.encode('utf-8', errors='surrogateescape')) - set(index)})
+        die(f"the prompt has characters outside the model's {len(vocab)}-symbol vocabulary: "
+            + ' '.join(repr(ch.encode('utf-8', errors='surrogateescape') if '\udc80' <= ch <= '\udcff' else ch)
+                       for ch in outside))
+    ids = [index[b] for b in data]
+    if not ids:
+        die("the prompt is empty")
+    if len(ids) > block_size:
+        die(f"the prompt is {f'over {block_size}' if start.startswith('FILE:') else len(ids)} tokens, longer than "
+            f"the model's context (block_size={block_size})")
+    return ids
+
+
+def decode(ids, vocab):
+    # ids past the vocabulary (a vocab_size set larger than it) become 0xFF, which shows as U+FFFD
+    return bytes(vocab[i] if i < len(vocab) else 0xFF for i in ids).decode('utf-8', errors='replace')

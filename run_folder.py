@@ -1,0 +1,215 @@
+"""
+run_folder.py: a training run's folder, and everything a run does to it (RunFolder).
+
+    out_dir/ckpt.pt          weights, optimizer, settings, vocabulary, RNG states
+    out_dir/log.jsonl        one line per evaluation: the curves
+    out_dir/train_log.jsonl  one line per iteration: the losses
+    out_dir/snapshot-N.pt    float16 weights at iteration N, when snapshot_iters asks for them
+    out_dir/train.lock       flock'ed for the run's lifetime; names the run that holds it
+
+Every file is written whole or not at all (atomic_write): a kill or a full disk never costs the last
+good checkpoint. A new run refuses a folder holding a checkpoint or logs; a resume cuts the logs
+back to its checkpoint; a stopped run says where a resume would start. docs/reliability.md lists
+each promise and the test that holds it.
+"""
+import fcntl
+import json
+import math
+import os
+import re
+import shlex
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+
+from shell import DIVERGED, die, exit_status, why
+
+PARTIAL = r'.+\.damcha-partial-\d+\.tmp'   # atomic_write's temporary files: the only ones a run removes
+
+
+class Diverged(Exception):
+    """A non-finite loss (what, value, iteration): the run stops on every process without saving."""
+
+
+class RunFolder:
+    """out_dir as one training run uses it; only the master process (rank 0) writes to it. The lock
+    is this object's, held from lock() until the process ends, unlock() or the end of a with-block."""
+
+    def __init__(self, out_dir):
+        self.dir = out_dir
+        self.ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+        self.saved_iter = None   # the iteration of the ckpt.pt on disk, None while there is none
+        self.lock_file = None
+
+    def refuse_fresh_start(self):
+        """A new run never overwrites a checkpoint, nor the logs of a run whose checkpoint is gone."""
+        if os.path.exists(self.ckpt_path):
+            die(f"{self.ckpt_path} exists: continue it with --init_from=resume, or choose another --out_dir")
+        logs = [n for n in ('log.jsonl', 'train_log.jsonl') if os.path.isfile(self.path(n))
+                and os.path.getsize(self.path(n))]
+        if logs:   # a resume is impossible, and a new run would replace them
+            die(f"{self.dir} holds {' and '.join(logs)} of an earlier run but no ckpt.pt"
+                f"{' (a link to a missing file)' * os.path.islink(self.ckpt_path)}: it cannot be resumed; "
+                "move the logs away, or choose another --out_dir")
+
+    def lock(self):
+        """Hold out_dir for this run: an exclusive flock on train.lock, which the kernel releases
+        when the process ends in any way, SIGKILL included, so it never goes stale. The file names
+        the holder, for the message to a second run. Partial files of a run killed mid-save
+        (atomic_write) are removed: nobody writes them now."""
+        if self.lock_file is not None:
+            return
+        if os.path.exists(self.dir) and not os.path.isdir(self.dir):
+            die(f"out_dir {self.dir} is a file, not a folder")
+        os.makedirs(self.dir, exist_ok=True)
+        # surrogateescape: the command's bytes as typed, also those that are not UTF-8 (a prompt, a path)
+        f = open(self.path('train.lock'), 'a+', errors='surrogateescape')
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or 'a run that is just starting'
+            f.close()
+            die(f"{self.dir} is in use by another training run ({holder}); wait for it to end, "
+                "or choose another --out_dir")
+        f.truncate(0)
+        f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}, "
+                f"command: {shlex.join([os.path.basename(sys.executable), *sys.argv])}\n")
+        f.flush()
+        self.lock_file = f
+        for name in os.listdir(self.dir):
+            if re.fullmatch(PARTIAL, name):
+                os.remove(self.path(name))
+
+    def unlock(self):
+        """Let go of the lock (as the process's end would), for a run called in-process."""
+        if self.lock_file is not None:
+            self.lock_file.close()
+            self.lock_file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        self.unlock()
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def start_logs(self, k, resumed):
+        """Empty logs for a new run; a resumed run's logs cut at its checkpoint at iteration k: later
+        lines belong to the part of the interrupted run that it is about to redo. A checkpoint at k is
+        saved after the evaluation at k and before the step of k, which the resumed run takes again:
+        log.jsonl keeps iter <= k and train_log.jsonl iter < k, so no line is repeated or lost."""
+        if resumed:
+            self.saved_iter = k
+        for name, keep in (('log.jsonl', lambda it: it <= k), ('train_log.jsonl', lambda it: it < k)):
+            path = self.path(name)
+            entries = read_jsonl(path) if resumed and os.path.isfile(path) else []
+            if not all(isinstance(e.get('iter'), int) for e in entries):
+                die(f"{path} has an entry without an iteration number: not a log of train_char.py")
+            with atomic_write(path) as f:
+                f.write(''.join(to_json(e) + '\n' for e in entries if keep(e['iter'])).encode())
+
+    def log(self, name, entries):
+        """Append entries to the log `name` (log.jsonl, train_log.jsonl), a JSON object a line."""
+        with open(self.path(name), 'a') as f:
+            f.writelines(to_json(e) + '\n' for e in entries)
+
+    def save_checkpoint(self, checkpoint):
+        self.save(checkpoint, 'ckpt.pt')
+        self.saved_iter = checkpoint['iter_num']
+
+    def save_snapshot(self, model, saved, it):
+        """The weights at iteration it in float16, with what a checkpoint records besides them
+        (saved): for looking at, not for resuming."""
+        weights = {k: v.to(torch.float16) for k, v in model.state_dict().items()}
+        self.save(dict(model=weights, **saved, iter_num=it), f'snapshot-{it}.pt')
+
+    def save(self, obj, name):
+        """torch.save into the folder through atomic_write; a failure ends the run with one line
+        naming the last good checkpoint."""
+        path = self.path(name)
+        try:
+            with atomic_write(path) as f:
+                torch.save(obj, f)
+        except Exception as e:
+            cause = e   # a Ctrl-C inside torch.save, which reports it as an error of its own, stops as Ctrl-C does
+            while cause is not None and not isinstance(cause, KeyboardInterrupt):
+                cause = cause.__context__
+            if cause is not None:
+                raise cause from None
+            die(f"could not save {path}: {why(e)}; the partial file was removed; {self.last_good()}")
+
+    def stopped(self, e, iter_num):
+        """(exit status, one line) of a run that Ctrl-C, SIGTERM or SIGHUP (exit_status) or a
+        non-finite loss (Diverged, DIVERGED) stopped at iter_num: where, and what is on disk."""
+        if isinstance(e, KeyboardInterrupt):
+            return exit_status(e), f"interrupted at iter {iter_num}: " + (
+                f"a resume (--init_from=resume) starts from {self.dir}/ckpt.pt at iter {self.saved_iter}"
+                if self.saved_iter is not None else f"no checkpoint was written yet: to start again, move "
+                f"the logs out of {self.dir}, or choose another --out_dir")
+        what, value, it = e.args
+        return DIVERGED, (f"error: the {what} loss became {value} at iter {it}; stopped without saving: "
+                          f"{self.last_good()}; try a lower learning_rate")
+
+    def last_good(self):
+        return (f"{self.ckpt_path} (iter {self.saved_iter}) is the last good checkpoint"
+                if self.saved_iter is not None else "no checkpoint was written yet")
+
+
+@contextmanager
+def atomic_write(path):
+    """A binary file to write that appears at `path` only once complete: written beside it (this
+    process's own file, named PARTIAL), flushed to disk, renamed over it. A crash leaves the old
+    file or none; any failure removes the partial file before passing on. Every save goes through here."""
+    tmp = f'{path}.damcha-partial-{os.getpid()}.tmp'
+    try:
+        with open(tmp, 'wb') as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_jsonl(path):
+    """The entries of a log, one JSON object a line. A last line that does not parse is what a kill
+    or a full disk in the middle of an append leaves: it is dropped, and said on stderr. A bad line
+    before the last is damage done by something else: a one-line error naming it."""
+    try:
+        with open(path, 'rb') as f:
+            lines = [(n, line) for n, line in enumerate(f.read().split(b'\n'), 1) if line.strip()]
+    except OSError as e:
+        die(f"cannot read {path}: {e}")
+    entries = []
+    for n, line in lines:
+        try:
+            entry = json.loads(line)
+            if not isinstance(entry, dict):
+                raise ValueError(f"a JSON {type(entry).__name__}, not an object")
+        except ValueError as e:   # UnicodeDecodeError is one too
+            if n == lines[-1][0]:
+                print(f"note: dropped the unreadable last line {n} of {path}, an interrupted write: "
+                      f"{line[:60].decode(errors='replace')!r}", file=sys.stderr)
+                break
+            die(f"{path}, line {n} of {len(lines)}, is unreadable ({e}): only a last line is dropped "
+                "(an interrupted write); repair or delete this one")
+        entries.append(entry)
+    return entries
+
+
+def to_json(obj, **kwargs):
+    """obj as JSON, a non-finite number as null: JSON has no NaN, which a strict reader would refuse."""
+    def finite(o):
+        if isinstance(o, float) and not math.isfinite(o):
+            return None
+        if isinstance(o, (list, tuple)):
+            return [finite(v) for v in o]
+        return {k: finite(v) for k, v in o.items()} if isinstance(o, dict) else o
+    return json.dumps(finite(obj), allow_nan=False, **kwargs)

@@ -1,0 +1,96 @@
+"""
+shell.py: how every script meets the shell. Bad input ends a script with one line on stderr (die),
+never a traceback; SIGTERM and SIGHUP stop it as Ctrl-C does; a closed pipe (`... | head`) is not
+an error; an output encoding that lacks a character prints '?'; each way of ending has the exit
+status a shell expects (exit_status, DIVERGED). Plumbing, off the reading path of the model and its
+training: a script wraps its main in one_line_errors and signals_as_ctrl_c and calls die.
+"""
+import errno
+import io
+import os
+import signal
+import sys
+from contextlib import contextmanager
+
+DIVERGED = 3   # train_char.py's exit status when a non-finite loss stopped the run (lab/reproduce.py reads it)
+
+
+def die(message):
+    """Bad input ends here: one line on stderr, exit status 1, no traceback."""
+    raise SystemExit('error: ' + ' '.join(str(message).split()))
+
+
+def pipe_closed():
+    """stdout's reader went away (`... | head`): not an error. stdout goes to /dev/null, so the last
+    flush is quiet too, and the exit status is that of a process SIGPIPE ended, as any Unix tool's."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(128 + 13)
+
+
+def tolerant_stdout():
+    """stdout writes '?' for a character its encoding lacks (a C locale) rather than failing, say, a
+    finished run on the sample it prints."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors='replace')
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (args: its number), raised where Ctrl-C would be, to stop a run alike."""
+
+
+@contextmanager
+def signals_as_ctrl_c():
+    """SIGTERM (kill) and SIGHUP (a closed terminal) stop the block as Ctrl-C does, saying where; a
+    second signal while stopping is ignored."""
+    def stop(signum, frame):
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def exit_status(e):
+    """A shell's status for a process that a signal stopped: 128 + its number (Ctrl-C: 130)."""
+    return 128 + (e.args[0] if isinstance(e, Interrupted) else signal.SIGINT)
+
+
+def why(e):
+    """An exception as a reason, naming a full disk or the file size limit (ulimit -f) where it, or the
+    error it came from, says so (torch.save reports either as a RuntimeError, 'unexpected pos')."""
+    cause, reasons = e, {errno.ENOSPC: 'the disk is full', errno.EFBIG: 'the file size limit (ulimit -f) was reached'}
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in reasons:
+            return f"{reasons[cause.errno]} ({cause.strerror})"
+        cause = cause.__cause__ or cause.__context__
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+def out_of_memory(e, settings):
+    """One line naming the settings to lower, if e is memory running out (MemoryError, CUDA's
+    OutOfMemoryError, the CPU allocator's RuntimeError); else nothing."""
+    if isinstance(e, MemoryError) or type(e).__name__ == 'OutOfMemoryError' or any(
+            s in str(e) for s in ("can't allocate memory", 'not enough memory')):
+        die(f"out of memory ({' '.join(str(e).split())[:120] or type(e).__name__}): lower {settings}")
+
+@contextmanager
+def one_line_errors(memory_settings):
+    """What a script's main ends in besides its own checks: a closed pipe quietly, a system error
+    or memory running out (naming memory_settings, the settings to lower) in one line, Ctrl-C (or
+    a signal raised as it) with the shell's status. stdout prints '?' for a character it lacks."""
+    tolerant_stdout()
+    try:
+        yield
+    except BrokenPipeError:   # stdout's reader went away (| head): not an error
+        pipe_closed()
+    except OSError as e:   # an unwritable out_dir or plot_file, a full disk: the system's own reason
+        die(why(e) if e.errno in (errno.ENOSPC, errno.EFBIG) else e)
+    except (MemoryError, RuntimeError) as e:   # CUDA's OutOfMemoryError is a RuntimeError
+        out_of_memory(e, memory_settings)
+        raise
+    except KeyboardInterrupt as e:   # before a run's own handler, or where there is none
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(exit_status(e))
