@@ -1,17 +1,147 @@
-"""Helpers shared by the tests."""
+"""Helpers shared by the tests: the tiny model's settings (TINY), the scripts run in-process (run,
+fails) or as processes (cli, start, one_line_error), small stand-in datasets (make_corpora,
+text_file), and the comparisons of the model tests (rel_err, MetricSizedOutputs)."""
 import contextlib
 import hashlib
 import io
+import os
+import resource
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import types
+import zipfile
 
 import numpy as np
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import data.prepare as prep
+import eval_char as ec
+import train_char as tc
 from damcha_torch import GPT, GPTConfig
+from run_folder import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+TINY = ['--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=4', '--gen_width=16',
+        '--eval_iters=2', '--log_interval=5', '--max_new_tokens=20', '--device=cpu', '--compile=False',
+        '--warmup_iters=2']
+
+
+ENV = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'} | {'PYTHONUNBUFFERED': '1'}
+
+
+def run(*argv, main=tc.main):
+    main([str(a) for a in argv])
+
+
+def run_eval(*argv):
+    run(*argv, main=ec.main)
+
+
+def fails(*argv, main=tc.main):
+    """one_line_error's checks, in this process: main(argv) ends in a SystemExit whose message is one
+    'error: ' line (which Python prints as the process's last line, with exit status 1), and prints
+    no traceback before it. Returns the line."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    message = e.value.code
+    assert isinstance(message, str) and message.startswith('error: ') and '\n' not in message, message
+    assert 'Traceback' not in err.getvalue(), err.getvalue()[-2000:]
+    return message
+
+
+def fails_eval(*argv):
+    return fails(*argv, main=ec.main)
+
+
+def cli(*args, script='train_char.py', timeout=120):
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, timeout=timeout,
+                          env=ENV, text=not any(isinstance(a, bytes) for a in args))
+
+
+def start(*args):
+    """train_char.py in the background; its stdout (log lines) to read, stderr to a file."""
+    err = open(os.devnull, 'w')
+    return subprocess.Popen([sys.executable, 'train_char.py', *args], cwd=ROOT, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=err)
+
+
+def wait_for(proc, prefix):
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"the run ended before printing {prefix!r}: exit status {proc.wait()}")
+
+
+def one_line_error(result, words):
+    """A failed run whose stderr ends in one 'error: ' line holding words, with no traceback."""
+    last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ''
+    assert result.returncode == 1 and last.startswith('error: ') and words in last, result.stderr[-2000:]
+    assert 'Traceback' not in result.stderr, result.stderr[-2000:]
+    return last
+
+
+def iters(path):
+    return [e['iter'] for e in read_jsonl(path)]
+
+
+def make_corpora(folder, monkeypatch, serve_url=None, as_prepared=False):
+    """Small stand-ins for enwik8 (random bytes) and text8 (random a-z and space), zipped into
+    folder/<name>.zip, or folder/<name>/<name>.zip where prepare() looks for them when
+    as_prepared; SOURCES then expects their sizes and checksums. Returns the contents."""
+    rng = np.random.default_rng(0)
+    contents = dict(enwik8=rng.integers(0, 256, 4000, dtype=np.uint8).tobytes(),
+                    text8=bytes(rng.choice(list(b' abcdefghijklmnopqrstuvwxyz'), 4000).astype(np.uint8)))
+    for name, data in contents.items():
+        where = os.path.join(folder, name) if as_prepared else folder
+        os.makedirs(where, exist_ok=True)
+        with zipfile.ZipFile(os.path.join(where, f'{name}.zip'), 'w', zipfile.ZIP_DEFLATED) as z:
+            z.writestr(name, data)
+        algorithm = prep.SOURCES[name]['digest'][0]
+        url = f'{serve_url}/{name}.zip' if serve_url else 'http://127.0.0.1:9/unreachable.zip'
+        monkeypatch.setitem(prep.SOURCES, name, dict(prep.SOURCES[name], url=url, size=len(data),
+                                                   digest=(algorithm, hashlib.new(algorithm, data).hexdigest())))
+    return contents
+
+
+def text_file(path, seed, size=200_000):
+    """A text file of random lowercase words, different for each seed."""
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(rng.choice(list(b'abcdefghij '), size).astype(np.uint8).tobytes())
+    return path
+
+
+def copy_of(checkpointed, tmp_path, name='copy'):
+    shutil.copytree(checkpointed, tmp_path / name)
+    return tmp_path / name
+
+
+def flip(path, entry_size, value=None):
+    """Overwrite, in place, the stored entry of `entry_size` bytes of a checkpoint's zip archive:
+    every float set to `value`, or, without one, a single bit of its first byte."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.file_size == entry_size)
+    with open(path, 'r+b') as f:
+        f.seek(info.header_offset + 26)
+        name, extra = struct.unpack('<HH', f.read(4))
+        f.seek(info.header_offset + 30 + name + extra)
+        data = struct.pack('<f', value) * (entry_size // 4) if value is not None else bytes([f.read(1)[0] ^ 1])
+        f.seek(info.header_offset + 30 + name + extra)
+        f.write(data)
+
+
+def limit_memory(size):
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (size, size))
+
+
 
 
 def rel_err(a, b):
@@ -74,7 +204,7 @@ def lab_runs_in_process(monkeypatch):
     eval_char.main(ARGS) in this process, with lab.variants imported as those two files import it:
     the same settings, checkpoints and printed lines, and the exit status a process would have, without
     a torch import per run. Other commands (git) still run. For the tests of what reproduce.py does
-    with its runs; tests/test_reproduce.py's test_tiny_sweep_and_rerun and tests/test_integrity.py run
+    with its runs; tests/test_reproduce.py's test_tiny_sweep_and_rerun and its SIGTERM test run
     them as the processes they are."""
     import lab.variants  # noqa: F401  (registers the lab's attentions)
     from lab import reproduce

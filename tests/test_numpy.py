@@ -1,9 +1,11 @@
 """Tests of damcha_numpy.py: every *_backward against central differences (float64), the whole
 model against finite differences and against an independent implementation of the model
-(tests/spec_reference.py), causality, folding, block masks, initialisation, training and sampling.
+(tests/spec_reference.py), causality, folding, block masks, initialisation, training and sampling,
+and its one-line refusals of bad input.
 
     python -m pytest -q tests/test_numpy.py
 """
+import os
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 import damcha_numpy as dn
+from common import cli, fails
 from spec_reference import reference_forward, reference_random_params
 
 # three layers: with two, a shared metric gets dm from one layer only, and its sum over layers goes untested
@@ -422,3 +425,27 @@ def test_main_rejects_bad_flags(tmp_path):
             dn.main([flag])
         assert isinstance(refused.value.code, str) and message in refused.value.code, flag
         assert "\n" not in refused.value.code.strip(), flag
+
+
+def test_damcha_numpy_checks_before_training_and_stops_on_a_non_finite_loss(tmp_path):
+    tiny = ['--n_layer=1', '--block_size=8', '--iters=20', '--eval_every=10', '--warmup=1']
+    result = cli('--start=', *tiny, script='damcha_numpy.py')
+    assert result.returncode == 1 and 'iter' not in result.stdout, result.stdout   # before any training
+    assert result.stderr.strip() == 'error: --start is empty: the sample after training needs at least one character to follow'
+    result = cli('--lr=1e30', *tiny, script='damcha_numpy.py')
+    assert result.returncode == 1 and result.stderr.strip() == \
+        'error: the training loss became nan at iter 1; stopped; try a lower --lr', result.stderr[-2000:]
+    main = dn.main
+    for lr in ('nan', '-1', '0', 'inf'):
+        assert fails(f'--lr={lr}', main=main).startswith('error: lr')
+    assert 'seed must be a whole number' in fails('--seed=-1', main=main)
+    empty = tmp_path / 'empty.txt'
+    empty.write_bytes(b'')
+    assert fails(f'--data={empty}', main=main) == f'error: --data={empty}: the file is empty'
+    if os.path.exists('/proc/self/mem'):   # a file that exists but fails to read (EIO)
+        assert fails('--data=/proc/self/mem', main=main).startswith('error: --data=/proc/self/mem: cannot read it')
+    assert fails('--start=ROMEO: hello', '--block_size=8', main=main) == \
+        "error: --start is 12 bytes, longer than the model's block_size of 8: it would not see the beginning"
+    result = cli('--start=ROMEO:', '--block_size=6', '--n_layer=1', '--iters=1', '--eval_every=1', '--warmup=1',
+                 script='damcha_numpy.py')   # as long as the context: taken
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -13,7 +13,8 @@
   the book's and the lab's modules. No function of the book over 60 lines but the trainer's
   train(). The reading path README.md lists is what the trainer imports. README.md at most 280
   lines.
-- No comment or docstring of a .py file holds a date, a machine's record or a past run's figure.
+- No comment or docstring of a .py file holds a date, a machine's record or a past run's figure,
+  nor does README.md or docs/*.md, but beside a link to the record in results/.
 
     python -m pytest -q tests/test_repo.py
 
@@ -501,7 +502,7 @@ def records(text):
 
 
 def test_records_finds_dates_machines_and_past_runs():
-    # the issue's examples (some joined from two lines, as they stood in the code), and two dates
+    # records as they once stood in the code (some joined from two lines), and two dates
     for text in ["a row took 83-85 s on the last run", "TRAIN_ROW_S = 100: 83-85 s on the last H200 run",
                  "saving and sampling was seen (once, under gloo) to abort at its exit",
                  "stayed alive together until the sum, 9,630 MiB peak on an\n    H200 against eager's 5,644 MiB",
@@ -515,6 +516,33 @@ def test_records_finds_dates_machines_and_past_runs():
                  "-n 2 runs a process per core", "m (B, T, H, dh, dh) in float32 is 2048 bytes", "May 2 layers share it"]:
         assert not records(text), text
     assert [line for line, _, _ in records("why\nwhy\nfixed on 2026-11-30\n")] == [3]
+
+
+def markdown_paragraphs(text):
+    """[(first line, paragraph)] of Markdown text, code blocks included: blank lines part them."""
+    paragraphs, start, lines = [], 1, []
+    for n, line in enumerate(text.splitlines() + [""], 1):
+        if line.strip():
+            start, lines = (n, [line]) if not lines else (start, lines + [line])
+        elif lines:
+            paragraphs.append((start, "\n".join(lines)))
+            lines = []
+    return paragraphs
+
+
+def test_no_history_in_the_readme_or_docs():
+    """README.md and docs/*.md describe what is, not what happened: no date, no machine's record, no
+    past run's figure, but in a paragraph that links to its record in results/ (a figure with its
+    source). The records themselves live in results/<name>/README.md."""
+    offences = []
+    for path in tracked_files():
+        if path == "README.md" or (path.startswith("docs/") and path.endswith(".md")):
+            for start, paragraph in markdown_paragraphs(read_text(path)):
+                if "results/" not in paragraph:
+                    offences += [f"{path}:{start + line - 1}: {match!r}: {why}"
+                                 for line, match, why in records(paragraph)]
+    assert not offences, ("records in the README or docs (they belong in results/<name>/README.md, "
+                          "linked from the text):\n" + "\n".join(offences))
 
 
 def test_no_dates_machines_or_past_runs_in_source_comments():

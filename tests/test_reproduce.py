@@ -2,7 +2,9 @@
 Tests of reproduce.py: a tiny sweep (one seed, a few iterations, a one-layer model) writes the
 per-run logs and eval JSON, summary.json and summary.md with a row per variant, DAMCHA at MHA's
 parameter count within 5%, the float16 weight snapshots of the run named by --snapshot, and a
-rerun skips every finished run. A device the machine lacks is refused before any download.
+rerun skips every finished run. A device the machine lacks is refused before any download. A
+diverged run is recorded in JSON without infinity; SIGTERM stops the sweep's training run, and the
+same command resumes it.
 
     python -m pytest -q tests/test_reproduce.py
 """
@@ -20,10 +22,10 @@ import pytest
 import torch
 
 import train_char
+from common import ENV, ROOT, lab_runs_in_process, sigint_default, wait_for
 from lab import reproduce
-from common import lab_runs_in_process, sigint_default
+from run_folder import RunFolder, read_jsonl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ('mha', 'damcha', 'damcha_static')
 
 
@@ -653,3 +655,48 @@ def test_changes_from_ii_pair_the_rates_by_seed_and_compare_the_scales_unpaired(
     assert rows['damcha - proj']['change']['big'] == pytest.approx(list(reproduce.welch_interval(
         [0.150, 0.160, 0.140], [0.120, 0.150, 0.090, 0.135, 0.105])))
     assert '| damcha - proj | 5, +0.1200 [' in (tmp_path / 'changes.md').read_text()
+
+
+def test_a_diverged_study_run_is_recorded_in_json_without_infinity(tmp_path, monkeypatch):
+    """The LR sweep records a diverged run's val bpc, infinite, as null in its eval JSON (strict
+    JSON), and reads it back as infinite (never the chosen rate). The run is a call in this process
+    (tests/test_reproduce.py's test_only_a_diverged_run_is_recorded_as_diverged runs it as a process)."""
+    lab_runs_in_process(monkeypatch)
+    tiny = dict(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=4, max_iters=20, eval_interval=10,
+                eval_iters=1, device='cpu', data_dir=str(tmp_path / 'data'), gen_width=8, learning_rate=1e30)
+    (tmp_path / 'results').mkdir()
+    reproduce.train_and_evaluate('hot', str(tmp_path / 'hot'), (), tiny, 20, dict(snapshot='', device='cpu'),
+                                 str(tmp_path / 'results'), 'a learning rate that diverges', may_diverge=True)
+    text = (tmp_path / 'results' / 'hot.eval.json').read_text()
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f'{c} in JSON')) == dict(failed=True, val_bpc=None)
+    assert reproduce.read_evals(str(tmp_path / 'results'))['hot']['val_bpc'] == float('inf')
+
+
+@pytest.mark.slow
+def test_sigterm_to_reproduce_stops_its_training_run_and_the_same_command_resumes(tmp_path, monkeypatch, capsys):
+    """kill -TERM on lab/reproduce.py alone: it passes the signal on to its train_char.py run, which
+    stops as on Ctrl-C (saying where), and ends with status 143, leaving no run behind that holds
+    the out_dir. Stopped before the run's first checkpoint, its logs hold nothing to resume: the
+    same command drops them, with a note, and trains the run again to the end (here in this
+    process, its runs too: lab_runs_in_process)."""
+    # 2,000 iterations: an idle machine runs 100 of this model in 0.2 s, before the signal lands
+    args = ['lab/reproduce.py', '--seeds=1', '--variants=mha', '--max_iters=2000', '--eval_interval=2000',
+            '--log_interval=5', '--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=4',
+            '--max_new_tokens=5', '--device=cpu', f"--results={tmp_path / 'results'}", f"--out_root={tmp_path / 'out'}",
+            f"--data_dir={tmp_path / 'data'}"]
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    wait_for(proc, 'iter 5:')   # the training run's line, on the stdout it shares
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and 'Traceback' not in stderr, stderr[-2000:]
+    assert 'interrupted at iter ' in stderr and stderr.strip().endswith(
+        'interrupted: finished runs are kept, and the same command resumes the rest'), stderr[-2000:]
+    out = tmp_path / 'out' / 'mha-seed1'
+    with RunFolder(str(out)) as folder:
+        folder.lock()   # no training run is left holding it
+    lab_runs_in_process(monkeypatch)
+    capsys.readouterr()
+    reproduce.main(args[1:])
+    assert 'note: mha-seed1 was stopped before its first checkpoint' in capsys.readouterr().out
+    assert [e['iter'] for e in read_jsonl(out / 'train_log.jsonl')] == list(range(2000))

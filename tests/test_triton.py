@@ -533,7 +533,7 @@ def test_kernel_triton_runs_the_kernel_for_per_token_metrics_only(monkeypatch):
 @pytest.mark.parametrize("variant", [dict(), dict(share=False), dict(adaptive=False), dict(gen_out="folded")],
                          ids=["shared", "unshared", "static", "folded"])
 def test_gpt_kernel_triton_matches_spec_and_numpy(variant):
-    """The issue's bar: GPT(kernel="triton") in float32 against the independent float64
+    """The kernel's bar: GPT(kernel="triton") in float32 against the independent float64
     forward (logits and loss to 1e-4) and damcha_numpy's float64 gradients (to 1e-3), with T = 37
     longer than two of the interpreter's blocks of 16, three layers (a shared metric sums its dm over
     them), and weights moved in through the state_dict. One sequence: the interpreter's time grows

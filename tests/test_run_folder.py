@@ -1,0 +1,279 @@
+"""
+A run's folder, run_folder.RunFolder: a kill and a resume neither repeat nor lose a log line, a
+torn last line is dropped, a second run is refused while the first holds the lock, a new run never
+replaces another's logs, saves are atomic (a full disk, the file size limit, Ctrl-C inside a save),
+and only the project's own temporary files are ever removed.
+
+    python -m pytest -q tests/test_run_folder.py
+
+The runs that are the point of a test are processes (real SIGKILL, SIGINT, a full tmpfs mounted
+when the tests run as root); the others run in-process.
+"""
+import glob
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data.prepare as prep
+import train_char as tc
+from run_folder import RunFolder, atomic_write, read_jsonl
+from common import ENV, ROOT, TINY, copy_of, digest, fails, iters, one_line_error, start, wait_for
+
+
+def test_the_lock_names_only_the_run_that_holds_it(tmp_path):
+    """train.lock is emptied before the run that takes it writes itself in: a second run's
+    refusal names the current holder, never one that an earlier run left in the file."""
+    out = tmp_path / 'out'
+    out.mkdir()
+    (out / 'train.lock').write_text('pid 1, started 2000-01-01 00:00:00, command: python train_char.py --old\n')
+    with RunFolder(str(out)) as first, RunFolder(str(out)) as second:
+        first.lock()
+        with pytest.raises(SystemExit) as e:
+            second.lock()   # another open file: flock refuses it, as it would another process
+    message = e.value.code
+    assert message.startswith(f'error: {out} is in use by another training run (pid {os.getpid()}, started ')
+    assert 'pid 1,' not in message and '--old' not in message
+
+
+def test_only_the_projects_own_temporary_files_are_removed_from_an_out_dir(checkpointed, tmp_path):
+    """A run takes its out_dir and removes what a run killed mid-save left there (its own partial
+    files, named <file>.damcha-partial-<pid>.tmp), never a user's file that merely looks temporary."""
+    out = copy_of(checkpointed, tmp_path)
+    users = ['notes.2024.tmp', 'backup.1.tmp', 'ckpt.pt.123.tmp', 'x.damcha-partial-1.tmp.bak']
+    for name in users:
+        (out / name).write_text('mine')
+    (out / 'ckpt.pt.damcha-partial-99999.tmp').write_bytes(b'half a checkpoint')
+    tc.main([f'--out_dir={out}', '--init_from=resume', '--max_iters=9'])
+    assert all((out / name).read_text() == 'mine' for name in users)
+    assert not (out / 'ckpt.pt.damcha-partial-99999.tmp').exists()
+def test_a_new_run_never_replaces_the_logs_of_another(checkpointed, tmp_path, data_dir, monkeypatch, capsys):
+    """An out_dir that holds logs but no checkpoint (moved away, or a link to a missing file) is
+    refused by a new run, saying what is there and what to do; the logs stay as they were. Empty
+    logs hold no history and are taken. A run stopped before its first checkpoint says so."""
+    out = copy_of(checkpointed, tmp_path)
+    os.remove(out / 'ckpt.pt')
+    before = {n: (out / n).read_bytes() for n in ('log.jsonl', 'train_log.jsonl')}
+    last = fails(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}')
+    assert (f'{out} holds log.jsonl and train_log.jsonl of an earlier run but no ckpt.pt: '
+            'it cannot be resumed; move the logs away, or choose another --out_dir') in last, last
+    (out / 'ckpt.pt').symlink_to(tmp_path / 'gone.pt')
+    assert 'no ckpt.pt (a link to a missing file)' in fails(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}')
+    assert {n: (out / n).read_bytes() for n in before} == before and 'error: ' in last
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    (empty / 'log.jsonl').write_text('')
+    (empty / 'train_log.jsonl').write_text('')
+    tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={empty}', '--max_iters=2'])
+
+    # a real SIGTERM, sent to this process at its 10th training iteration (test_sigterm_and_sighup_stop_a_run_as_ctrl_c_does
+    # sends it to a train_char.py process), before the run's first checkpoint
+    get_lr, steps = tc.get_lr, []
+
+    def lr_then_sigterm(*args):   # called once an iteration, before its step
+        steps.append(args[0])
+        if len(steps) == 10:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return get_lr(*args)
+    monkeypatch.setattr(tc, 'get_lr', lr_then_sigterm)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "early"}', '--eval_interval=1000',
+                 '--max_iters=100000'])
+    stderr = capsys.readouterr().err
+    assert e.value.code == 128 + signal.SIGTERM and 'Traceback' not in stderr, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1].endswith(f'no checkpoint was written yet: to start again, move the logs '
+                                                    f'out of {tmp_path / "early"}, or choose another --out_dir')
+def test_the_file_size_limit_is_named(tmp_path, data_dir):
+    """A save past the file-size limit (ulimit -f) is one line that names the limit, not torch's
+    'unexpected pos'; the partial file is removed."""
+    out = tmp_path / 'out'
+    prep.prepare('shakespeare', str(data_dir))   # its splits are larger than the limit
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))   # logs fit, a checkpoint does not
+    result = subprocess.run([sys.executable, 'train_char.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out}',
+                             '--max_iters=4', '--eval_interval=4'], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                            timeout=120, preexec_fn=limit)
+    last = one_line_error(result, f'could not save {out}/ckpt.pt: the file size limit (ulimit -f) was reached (File too large)')
+    assert 'unexpected pos' not in last and sorted(os.listdir(out)) == ['log.jsonl', 'train.lock', 'train_log.jsonl']
+def test_sigkill_then_resume_gives_the_uninterrupted_history(tmp_path, data_dir):
+    """Killed 5 iterations past its checkpoint at 20, with train_log.jsonl already past it, the
+    resumed run ends with the very logs of a run never killed: one line per iteration and per
+    evaluation, the same losses bit for bit."""
+    common = [*TINY, f'--data_dir={data_dir}', '--eval_interval=20', '--max_iters=40']
+    tc.main([*common, f'--out_dir={tmp_path / "whole"}'])
+    out = tmp_path / 'killed'
+    proc = start(*common, f'--out_dir={out}')
+    wait_for(proc, 'iter 25:')
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
+    assert saved == 20 and max(iters(out / 'train_log.jsonl')) >= saved   # history past the checkpoint
+    tc.main([f'--out_dir={out}', '--init_from=resume'])
+    assert iters(out / 'train_log.jsonl') == list(range(40))
+    assert read_jsonl(out / 'train_log.jsonl') == read_jsonl(tmp_path / 'whole' / 'train_log.jsonl')
+    assert iters(out / 'log.jsonl') == [0, 20, 40]
+    assert [e['val_loss'] for e in read_jsonl(out / 'log.jsonl')] == \
+           [e['val_loss'] for e in read_jsonl(tmp_path / 'whole' / 'log.jsonl')]
+
+
+KILLED_INSIDE_THE_SECOND_SAVE = """
+import io, os, signal, sys, torch
+import train_char
+real_save, saves = torch.save, []
+def save(obj, f, *args, **kwargs):   # the second checkpoint: half of its bytes reach the disk, then SIGKILL
+    saves.append(f)
+    if len(saves) < 2:
+        return real_save(obj, f, *args, **kwargs)
+    whole = io.BytesIO()
+    real_save(obj, whole, *args, **kwargs)
+    f.write(whole.getvalue()[:len(whole.getvalue()) // 2])
+    f.flush()
+    os.fsync(f.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)
+torch.save = save
+train_char.main(sys.argv[1:])
+"""
+
+
+def test_sigkill_inside_a_save_leaves_the_last_checkpoint_and_a_resume_the_whole_history(tmp_path, data_dir):
+    """Killed halfway through writing its checkpoint at 40, after log.jsonl took iteration 40's
+    evaluation: ckpt.pt is still the whole checkpoint at 20, and the half-written one is the dead
+    process's temporary file. The resume cuts log.jsonl back to the checkpoint, removes that file,
+    and ends with the very logs of a run never killed."""
+    common = [*TINY, f'--data_dir={data_dir}', '--eval_interval=20', '--max_iters=60']
+    tc.main([*common, f'--out_dir={tmp_path / "whole"}'])
+    out = tmp_path / 'killed'
+    killed = subprocess.run([sys.executable, '-c', KILLED_INSIDE_THE_SECOND_SAVE, *common, f'--out_dir={out}'],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    half = glob.glob(str(out / 'ckpt.pt.*.tmp'))
+    assert len(half) == 1 and 0 < os.path.getsize(half[0]) < os.path.getsize(tmp_path / 'whole' / 'ckpt.pt') * 0.6
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 20
+    assert iters(out / 'log.jsonl') == [0, 20, 40]   # the evaluation past the checkpoint
+    tc.main([f'--out_dir={out}', '--init_from=resume'])
+    assert not glob.glob(str(out / '*.tmp'))
+    for name in ('log.jsonl', 'train_log.jsonl'):
+        again, whole = read_jsonl(out / name), read_jsonl(tmp_path / 'whole' / name)
+        assert [e['iter'] for e in again] == [e['iter'] for e in whole]
+        assert [e.get('loss', e.get('val_loss')) for e in again] == [e.get('loss', e.get('val_loss')) for e in whole]
+
+
+def test_torn_last_line_is_dropped_and_said_a_bad_middle_line_is_an_error(tmp_path, data_dir, capsys):
+    out = tmp_path / 'out'
+    tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--eval_interval=4', '--max_iters=8'])
+    with open(out / 'train_log.jsonl', 'a') as f:   # what a full disk or a kill mid-append leaves
+        f.write('{"iter": 8, "loss": 2.4')
+    with open(out / 'log.jsonl', 'a') as f:
+        f.write('{"iter": 12, "tok')
+    capsys.readouterr()
+    tc.main([f'--out_dir={out}', '--init_from=resume', '--max_iters=12'])
+    stderr = capsys.readouterr().err
+    notes = [line for line in stderr.splitlines() if line.startswith('note: dropped the unreadable last line')]
+    assert len(notes) == 2 and 'line 9 of' in notes[0] + notes[1], stderr[-2000:]
+    assert iters(out / 'train_log.jsonl') == list(range(12)) and iters(out / 'log.jsonl') == [0, 4, 8, 12]
+
+    lines = (out / 'train_log.jsonl').read_text().splitlines()
+    lines[2] = lines[2][:20]
+    (out / 'train_log.jsonl').write_text('\n'.join(lines) + '\n')
+    before = (out / 'train_log.jsonl').read_text()
+    message = fails(f'--out_dir={out}', '--init_from=resume', '--max_iters=16')
+    assert 'train_log.jsonl, line 3 of 12, is unreadable' in message, message
+    assert (out / 'train_log.jsonl').read_text() == before   # the history is never dropped
+
+
+def test_a_second_run_is_refused_and_the_lock_dies_with_the_first(tmp_path, data_dir):
+    out = tmp_path / 'out'
+    first = start(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--eval_interval=5', '--max_iters=100000')
+    try:
+        wait_for(first, 'iter 10:')   # holds the lock, and a checkpoint at 5 exists
+        first.send_signal(signal.SIGSTOP)   # stopped, it still holds the lock, and leaves the CPU to the second
+        last = fails(f'--out_dir={out}', '--init_from=resume', '--max_iters=100001')
+        assert f'{out} is in use by another training run (pid {first.pid}, started ' in last, last
+        assert 'command: python train_char.py' in last and f'--out_dir={out}' in last
+        fresh = fails(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}')   # refused before it reaches the lock
+        assert f'{out}/ckpt.pt exists: continue it with --init_from=resume' in fresh, fresh
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    (out / 'ckpt.pt.damcha-partial-99999.tmp').write_bytes(b'half a checkpoint')   # as a kill mid-save leaves it
+    saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
+    tc.main([f'--out_dir={out}', '--init_from=resume', f'--max_iters={saved + 1}'])   # the kernel freed the lock
+    assert not glob.glob(str(out / '*.tmp'))
+
+
+def test_temporary_files_are_per_process_and_removed_on_failure(tmp_path):
+    path = tmp_path / 'ckpt.pt'
+    path.write_bytes(b'the last good one')
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_write(path) as f:
+            f.write(b'half of a new one')
+            assert os.path.exists(f'{path}.damcha-partial-{os.getpid()}.tmp')
+            raise KeyboardInterrupt
+    assert path.read_bytes() == b'the last good one' and os.listdir(tmp_path) == ['ckpt.pt']
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a real file system that runs full (mounting needs root)."""
+    disk = tmp_path / 'disk'
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip('mounting a tmpfs needs root')
+    yield disk
+    subprocess.run(['umount', str(disk)], check=True)
+
+
+def fill(disk, leave):
+    """Fill the file system but `leave` bytes."""
+    try:
+        with open(disk / 'filler', 'wb') as f:
+            while True:
+                f.write(b'\0' * 4096)
+                f.flush()
+    except OSError:   # no space left: on a write, or on the flush at close
+        pass
+    os.truncate(disk / 'filler', max(0, os.path.getsize(disk / 'filler') - leave))
+
+
+def test_full_disk_during_a_save_says_so_and_keeps_the_checkpoint(small_disk, data_dir):
+    out = small_disk / 'out'
+    tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--eval_interval=4', '--max_iters=4'])
+    before = digest(out / 'ckpt.pt')
+    assert os.path.getsize(out / 'ckpt.pt') > 3 * 32768
+    fill(small_disk, 32768)   # room for the log lines, not for a checkpoint
+    assert (f'could not save {out}/ckpt.pt: the disk is full (No space left on device); the partial file was '
+            f'removed; {out}/ckpt.pt (iter 4) is the last good checkpoint') in fails(f'--out_dir={out}', '--init_from=resume',
+                                                                                    '--max_iters=8')
+    assert digest(out / 'ckpt.pt') == before and not glob.glob(str(out / '*.tmp'))
+    os.remove(small_disk / 'filler')
+    tc.main([f'--out_dir={out}', '--init_from=resume', '--max_iters=8'])   # room again: it carries on
+    assert iters(out / 'train_log.jsonl') == list(range(8)) and iters(out / 'log.jsonl') == [0, 4, 8]
+
+
+def test_ctrl_c_inside_a_save_stops_as_ctrl_c_does(tmp_path, data_dir, monkeypatch, capsys):
+    """torch.save reports a Ctrl-C that lands inside it as an error of its own (a RuntimeError
+    whose context is the KeyboardInterrupt): the run still stops as Ctrl-C stops it, status 130
+    and where a resume starts, and the checkpoint before stays whole."""
+    out, real_save, saves = tmp_path / 'out', torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        saves.append(f)
+        if len(saves) < 2:
+            return real_save(obj, f, *args, **kwargs)
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 48581312 vs 48581200')
+    monkeypatch.setattr(torch, 'save', save)
+    with pytest.raises(SystemExit) as e:
+        tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--eval_interval=5', '--max_iters=20'])
+    monkeypatch.undo()
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 130 and last == f'interrupted at iter 10: a resume (--init_from=resume) starts from {out}/ckpt.pt at iter 5'
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 5
+    assert sorted(os.listdir(out)) == ['ckpt.pt', 'log.jsonl', 'train.lock', 'train_log.jsonl']
