@@ -18,7 +18,7 @@ Rows (kind=...), in order:
   check   the op's output and gradients (o, dx, dm, dv) in bfloat16 and float32, per-token and
           static metrics, at odd T (1000, 1023, 777) and dh in {8, 16, 48, 64, 128}: the relative
           error (max |a - b| / max |b|) of the kernels and of the torch path (einsum + SDPA)
-          against float64, and ok by tests/test_triton.py's bar (float32: 1e-4 forward, 1e-3
+          against float64, and ok by tests/test_kernel.py's bar (float32: 1e-4 forward, 1e-3
           gradients; 16-bit: no worse than twice the torch path plus 1e-3), and the configs
           autotuning chose; each shape in both dtypes, dh = 64 first. One row, before them, checks
           offsets past 2^31 (T = 8192, H = 24, dh = 128; --smoke: the same check at a small shape):
@@ -50,7 +50,7 @@ Rows (kind=...), in order:
           status, wall time and the last loss line.
 A row whose measurement raised (an implementation in the op rows, a model step, the gradient
 agreement, a profile) has error="..." in place of its numbers, and the check goes on.
-tests/test_triton.py imports make_inputs and torch_path from here; importing this module runs nothing.
+tests/test_lab_gpu_check.py tests it; importing this module runs nothing.
 """
 import json
 import math

@@ -17,6 +17,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import data.prepare as prep
@@ -233,6 +234,52 @@ def lab_runs_in_process(monkeypatch):
             returncode = status(mains[cmd[1]], cmd[2:])
         return subprocess.CompletedProcess(cmd, returncode, out.getvalue(), err.getvalue())
 
-    monkeypatch.delenv('TRITON_INTERPRET', raising=False)   # as the processes run: tests/test_triton.py may set it
+    monkeypatch.delenv('TRITON_INTERPRET', raising=False)   # as the processes run: tests/test_kernel.py may set it
     monkeypatch.setattr(reproduce, 'subprocess', types.SimpleNamespace(run=run, PIPE=subprocess.PIPE))
     monkeypatch.setattr(reproduce, 'run_to_the_end', lambda cmd: run(cmd).returncode)
+
+
+# ---- the kernel's tests ------------------------------------------------------------------------
+
+FWD_TOL, GRAD_TOL = 1e-4, 1e-3                       # float32 against float64
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def attention_inputs(B, H, T, dh, static, seed=0, dtype=torch.float32):
+    """x, m, v as the model hands them to attention, and an output gradient dO: x and v (B, H, T, dh)
+    views of (B, T, H, dh); m (B, T, H, dh, dh), or (H, dh, dh) when static, scaled so that the
+    scores are O(1). Drawn on the CPU, so the same on every device, then moved to DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(B, T, H, dh), (*((H,) if static else (B, T, H)), dh, dh), (B, T, H, dh), (B, H, T, dh)]
+    x, m, v, do = (torch.randn(*shape, generator=g) for shape in shapes)
+    return [t.to(device=DEVICE, dtype=dtype) for t in (x.transpose(1, 2), m / dh ** 0.5, v.transpose(1, 2), do)]
+
+
+def torch_attention(x, m, v):
+    """What the kernel computes, as damcha_torch's kernel="torch" does: q = x m (Eq. 5), then causal
+    SDPA with keys x (Eqs. 5-7)."""
+    q = torch.einsum("bhtd,hde->bhte" if m.dim() == 3 else "bhtd,bthde->bhte", x, m)
+    return F.scaled_dot_product_attention(q, x, v, is_causal=True)
+
+
+def off_in_dx(op, scale):
+    """op with its output and dm unchanged and dx off by scale * x: a wrong kernel the checks must catch."""
+    return lambda x, m, v: op(x, m, v) + scale * (x - x.detach())
+
+
+def output_and_grads(op, x, m, v, do):
+    """op(x, m, v) and the gradients of sum(op * dO) for x, m and v."""
+    x, m, v = (t.detach().requires_grad_() for t in (x, m, v))
+    o = op(x, m, v)
+    (o * do).sum().backward()
+    return o, x.grad, m.grad, v.grad
+
+
+def check_against_float64(x, m, v, do):
+    """The kernel's output and gradients against the torch path's in float64."""
+    from damcha_triton import damcha_attention   # once the test file has chosen the interpreter
+    got = output_and_grads(damcha_attention, x, m, v, do)
+    want = output_and_grads(torch_attention, *(t.double() for t in (x, m, v, do)))
+    for name, a, b, tol in zip(("o", "dx", "dm", "dv"), got, want, (FWD_TOL, GRAD_TOL, GRAD_TOL, GRAD_TOL)):
+        assert a.dtype == x.dtype and a.shape == b.shape, name
+        assert rel_err(a, b) < tol, f"{name}: {rel_err(a, b):.2e}"

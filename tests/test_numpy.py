@@ -306,7 +306,7 @@ def test_bad_input():
 
 
 def test_config_has_the_torch_fields_but_the_kernel():
-    # a torch GPTConfig, less its kernel, builds the NumPy model of the same settings (tests/test_triton.py
+    # a torch GPTConfig, less its kernel, builds the NumPy model of the same settings (tests/test_kernel.py
     # does). Imported here: the rest of this file needs NumPy only
     import dataclasses
     import damcha_torch

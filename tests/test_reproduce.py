@@ -57,7 +57,7 @@ def settings_resolved_once():
 @pytest.fixture
 def in_process(monkeypatch, capfd):
     """reproduce.main(argv) in this process (its train_char.py and eval_char.py runs are still
-    subprocesses, which do not inherit tests/test_triton.py's TRITON_INTERPRET), returning what it
+    subprocesses, which do not inherit tests/test_kernel.py's TRITON_INTERPRET), returning what it
     and its subprocesses printed to stdout."""
     monkeypatch.delenv('TRITON_INTERPRET', raising=False)
 

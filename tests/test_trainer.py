@@ -116,7 +116,7 @@ def test_command_line_errors_have_no_traceback(data_dir, monkeypatch, capsys):
     assert result.stderr.strip().count('\n') == 0 and 'Traceback' not in result.stderr, result.stderr
     assert result.stdout == '', result.stdout
     prep.prepare('shakespeare', str(data_dir))   # so that the prompt's run says only its error
-    monkeypatch.chdir(ROOT)   # as cli runs it, without tests/test_triton.py's TRITON_INTERPRET
+    monkeypatch.chdir(ROOT)   # as cli runs it, without tests/test_kernel.py's TRITON_INTERPRET
     monkeypatch.delenv('TRITON_INTERPRET', raising=False)
     capsys.readouterr()
     for args, words in [(['--max_iters=ten'], 'expected int'),
@@ -133,7 +133,7 @@ def test_command_line_errors_have_no_traceback(data_dir, monkeypatch, capsys):
 def test_the_interpreted_kernel_is_refused_in_16_bit(monkeypatch):
     """Triton's interpreter (the kernel on a CPU) trains in float32 only: bf16 is one line, not a
     traceback from inside the op. On CUDA every dtype is the kernel's (checked here without one)."""
-    if importlib.util.find_spec('triton') is None:   # found, not imported: tests/test_triton.py picks its mode first
+    if importlib.util.find_spec('triton') is None:   # found, not imported: tests/test_kernel.py picks its mode first
         pytest.skip("needs the triton package")
     monkeypatch.setenv('TRITON_INTERPRET', '1')
     with pytest.raises(SystemExit, match="which cannot train in bfloat16; use --dtype=float32"):

@@ -1,10 +1,10 @@
 """
-tests/test_sm90_compile.py: every Triton kernel of damcha_triton.py compiled for an H100 / H200
+tests/test_kernel_sm90.py: every Triton kernel of damcha_triton.py compiled for an H100 / H200
 (sm_90) on a machine without a GPU, and the resources ptxas gave each one.
 
-Run: python -m pytest -q -s tests/test_sm90_compile.py        (-s prints the table)
-     DAMCHA_SM90_FULL=1 python -m pytest -q -s tests/test_sm90_compile.py    the full matrix
-     python tests/test_sm90_compile.py [--full] [--part=K/N]    the table alone (its K-th of N parts),
+Run: python -m pytest -q -s tests/test_kernel_sm90.py        (-s prints the table)
+     DAMCHA_SM90_FULL=1 python -m pytest -q -s tests/test_kernel_sm90.py    the full matrix
+     python tests/test_kernel_sm90.py [--full] [--part=K/N]    the table alone (its K-th of N parts),
                                                                 one JSON line a row
 
 How: Triton compiles for whatever target its active driver names. A stand-in driver whose target is
@@ -21,7 +21,7 @@ _bwd_dkdv), each dh in {16, 32, 64, 128} once in 16-bit: bfloat16 at 16, 64 and 
 configs); and float32 at dh = 64 (float32 may spill in some configs, but at dh = 64 every kernel
 must have one config that does not). DAMCHA_SM90_FULL=1 compiles every dtype at every dh. The
 compiles run in a child process: pytest's process may already have chosen Triton's interpreter
-(tests/test_triton.py does), and the stand-in driver must not leak into other tests; two
+(tests/test_kernel.py does), and the stand-in driver must not leak into other tests; two
 children, each compiling every other (dtype, dh) pair, use both cores of a CI machine. Skipped
 only when Triton's ptxas or cuobjdump is missing.
 """
