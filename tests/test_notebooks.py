@@ -66,12 +66,12 @@ MACHINE_DEPENDENT = {
         Bounded(rf"largest gradient entry (?P<value>{NUM}) \((?P<name>[^)]*)\)", 1e-5,
                 "the largest error relative to its check's gradient, and where: within the checks' relative bar"),
     ],
-    "03_synthetic_tasks.ipynb": [
+    "04_synthetic_tasks.ipynb": [
         Bounded(rf"(?:train MSE \(last 50 steps\)|test MSE) (?P<value>{NUM})", 1.0,
                 "the tiny live run: 150 float32 training steps, whose last digits follow the CPU's matmul "
                 "kernels; on the standardised target, learning anything beats predicting the mean, MSE 1"),
     ],
-    "04_training_results.ipynb": [
+    "05_training_results.ipynb": [
         Bounded(rf"the float32 checkpoint: {NUM}; difference (?P<value>{NUM})", 1e-4,
                 "the float16 snapshot's score minus the committed one, both of 158,827 targets in float32: a "
                 "difference in the last printed digit, which another CPU's rounding moves; the prose says it "
