@@ -1,7 +1,15 @@
 """notebooks/course.py: small helpers the notebooks share, kept out of their cells so that each cell
-shows one idea: exercise grading, softmax and entropy rows, and notebook 05's plots. Plain functions, no state.
+shows one idea: exercise checks and their grades, softmax and entropy rows, and notebook 05's plots.
+Plain functions, no state.
 
     import course        # the notebooks put notebooks/ on sys.path and import it
+
+An exercise is a cell (tagged "exercise") that holds a stub, `def name(args):`, a docstring and
+`raise NotImplementedError`, for the learner to fill in. Its check cell (tagged "check") calls
+
+    course.check("01.2", lambda: name(inputs), course.close_to(expected, 1e-10))
+
+on inputs the notebook has not printed, and prints one line: not attempted yet, pass or FAIL.
 """
 import math
 
@@ -9,11 +17,78 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 
-def grade(name, error, tolerance, what="max |error|"):
-    """Print an exercise's verdict: pass when error <= tolerance, with the size of the error."""
-    verdict = "pass" if error <= tolerance else "FAIL"
-    print(f"exercise {name}: {verdict}, {what} = {error:.1e} (tolerance {tolerance:.0e})")
+NOT_ATTEMPTED = "not attempted yet — write your answer in the cell above"
 
+
+def check(name, attempt, grade):
+    """Grade an exercise and print one line, "exercise <name>: ...": not attempted yet while
+    attempt() raises NotImplementedError (the stub as given); FAIL when it raises anything else (its
+    type and message), returns None, or grade(result) says no; pass otherwise. grade(result) returns
+    (ok, detail), detail saying how close the result came. Never raises: a notebook runs on."""
+    try:
+        result = attempt()
+    except NotImplementedError:
+        print(f"exercise {name}: {NOT_ATTEMPTED}")
+        return
+    except Exception as error:                       # the learner's code failed: say how, no traceback
+        print(f"exercise {name}: FAIL, your code raised {type(error).__name__}: {error}")
+        return
+    if result is None:
+        ok, detail = False, "it returned None (is a return statement missing?)"
+    else:
+        try:
+            ok, detail = grade(result)
+        except NotANumber as error:
+            ok, detail = False, str(error)
+        except Exception as error:                   # a result the grader cannot read
+            ok, detail = False, f"the result could not be graded ({type(error).__name__}: {error})"
+    print(f"exercise {name}: {'pass' if ok else 'FAIL'}, {detail}")
+
+
+class NotANumber(ValueError):
+    """A result that is not a number or an array of numbers; its message says what it is."""
+
+
+def _as_array(result, what):
+    """result as a float array, or NotANumber saying what it was instead."""
+    try:
+        return np.asarray(result, dtype=float)
+    except (TypeError, ValueError):
+        raise NotANumber(f"{what} is of type {type(result).__name__}, not an array of numbers") from None
+
+
+def close_to(expected, tolerance, names=None):
+    """A grade: the result has expected's shape and differs from it by at most `tolerance` in every
+    entry. With a tuple of arrays for expected, the result must be a tuple of as many arrays, each
+    graded so, named by `names` in the detail."""
+    several = isinstance(expected, tuple)
+    wanted = expected if several else (expected,)
+    names = names or (["the result"] if not several else [f"part {k}" for k in range(len(wanted))])
+
+    def grade(result):
+        if several and (not isinstance(result, (tuple, list)) or len(result) != len(wanted)):
+            return False, f"a result of type {type(result).__name__} where a tuple of {len(wanted)} arrays is expected"
+        parts, ok = [], True
+        for name, got, want in zip(names, result if several else (result,), wanted):
+            got, want = _as_array(got, name), np.asarray(want, dtype=float)
+            if got.shape != want.shape:
+                return False, f"{name} has shape {got.shape} where {want.shape} is expected"
+            error = float(np.max(np.abs(got - want))) if want.size else 0.0
+            ok = ok and error <= tolerance
+            parts.append((f"{name}: " if several else "") + f"max |error| = {error:.1e}")
+        return ok, "; ".join(parts) + f" (tolerance {tolerance:.0e})"
+    return grade
+
+
+def within(expected, tolerance):
+    """A grade: the result is one number, at most `tolerance` from expected."""
+    def grade(result):
+        value = _as_array(result, "the result")
+        if value.shape != ():
+            return False, f"an array of shape {value.shape} where one number is expected"
+        error = abs(float(value) - expected)
+        return error <= tolerance, f"|error| = {error:.1e} (tolerance {tolerance:.0e})"
+    return grade
 
 
 def softmax_rows(S):

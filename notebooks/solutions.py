@@ -1,9 +1,9 @@
 """notebooks/solutions.py: the reference answers to the notebooks' exercises.
 
-Every exercise cell of notebooks/01 to 05 defines a function whose body is one line, a call to the
-answer here; the check in the next cell grades whatever the function returns. To do an exercise,
-replace that line with your own code and run the check. Read an answer here only after trying.
-The notebooks import this file themselves (they run with notebooks/ as the working directory).
+Each exercise cell of a notebook holds a stub, a function that raises NotImplementedError, for you
+to write; the check after it grades what your function returns. The function of the same name here
+is the reference answer: read it only after trying. The notebooks never import this file; the tests
+(tests/test_notebooks.py) put each answer here in place of its stub, and its check must pass.
 
     python -c "import solutions"      # from notebooks/: it imports NumPy and nothing else
 """
