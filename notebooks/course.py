@@ -11,7 +11,9 @@ An exercise is a cell (tagged "exercise") that holds a stub, `def name(args):`, 
 
 on inputs the notebook has not printed, and prints one line: not attempted yet, pass or FAIL.
 """
+import json
 import math
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -205,3 +207,33 @@ def regimes_plot(by_regime, variants, colors):
 def fmt_interval(mean, half):
     """'+0.0123 [-0.0040, +0.0286]': a mean and its 95% interval; the mean alone from one seed."""
     return f"{mean:+.4f}" + ("" if half is None else f" [{mean - half:+.4f}, {mean + half:+.4f}]")
+
+
+# ---- notebooks 04 to 06: intervals, and the 2x2 study's committed results --------------------
+
+# Student's t, the 0.975 quantile by degrees of freedom (lab/reproduce.py's t_quantile gives these):
+# a 95% t interval of n seeds' mean is mean +- T_975[n - 1] standard errors.
+T_975 = {2: 4.302652729749523, 4: 2.776445105197789}
+
+# The 2x2 study's results (lab/reproduce.py --study=2x2 writes them): notebooks 05 and 06 read them here.
+STUDY2X2 = Path(__file__).resolve().parent.parent / "results" / "study2x2"
+
+
+def study2x2(regime):
+    """A regime's summary.json of the 2x2 study, parsed, with its rows also by variant: rows[v]."""
+    summary = json.loads((STUDY2X2 / regime / "summary.json").read_text())
+    return dict(summary, by_variant={r["variant"]: r for r in summary["rows"]})
+
+
+def paired_cases(regimes=("i", "ii")):
+    """The 2x2 study's paired comparisons with MHA, equal steps: per regime and variant, (the
+    variant's per-seed whole-val bpc, MHA's, lab/reproduce.py's (mean, half-width) of the 95% t
+    interval of their per-seed difference, and the t statistic that interval implies)."""
+    cases = []
+    for regime in regimes:
+        rows = study2x2(regime)["by_variant"]
+        for v in (v for v in rows if v != "mha"):
+            mean, half = rows[v]["diff_equal_steps"]
+            n = len(rows[v]["val_bpc"])
+            cases.append((rows[v]["val_bpc"], rows["mha"]["val_bpc"], (mean, half), mean / (half / T_975[n - 1])))
+    return cases

@@ -121,6 +121,39 @@ def two_steps_back(omega, beta):
 """),
         ],
     },
+    # ---- 04 to 06 ----
+    "04_synthetic_tasks.ipynb": {
+        "paired_gain": [
+            ("the gain of the two means, unpaired", """
+def paired_gain(mse_mha, mse_damcha):
+    return float(1 - np.mean(mse_damcha) / np.mean(mse_mha))
+"""),
+            ("relative to DAMCHA's MSE instead of MHA's", """
+def paired_gain(mse_mha, mse_damcha):
+    mha, damcha = np.asarray(mse_mha), np.asarray(mse_damcha)
+    return float(np.mean((mha - damcha) / damcha))
+"""),
+            ("a percentage instead of a fraction", """
+def paired_gain(mse_mha, mse_damcha):
+    mha, damcha = np.asarray(mse_mha), np.asarray(mse_damcha)
+    return float(100 * np.mean((mha - damcha) / mha))
+"""),
+            ("the constant the table prints at lambda = 1", """
+def paired_gain(mse_mha, mse_damcha):
+    return 0.26
+"""),
+            ("each seed's gain, not their mean (the wrong shape)", """
+def paired_gain(mse_mha, mse_damcha):
+    mha, damcha = np.asarray(mse_mha), np.asarray(mse_damcha)
+    return (mha - damcha) / mha
+"""),
+            ("a forgotten return (None)", """
+def paired_gain(mse_mha, mse_damcha):
+    mha, damcha = np.asarray(mse_mha), np.asarray(mse_damcha)
+    np.mean((mha - damcha) / mha)
+"""),
+        ],
+    },
 }
 
 
