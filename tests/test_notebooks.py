@@ -154,6 +154,39 @@ def paired_gain(mse_mha, mse_damcha):
 """),
         ],
     },
+    "05_training_results.ipynb": {
+        "paired_t": [
+            ("the standard deviation with n, not n - 1 (ddof=0)", """
+def paired_t(first, second):
+    d = np.asarray(first) - np.asarray(second)
+    return float(d.mean() / (d.std() / math.sqrt(len(d))))
+"""),
+            ("unpaired: the two groups' own spreads", """
+def paired_t(first, second):
+    a, b = np.asarray(first), np.asarray(second)
+    return float((a.mean() - b.mean()) / math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)))
+"""),
+            ("the standard deviation, not the standard error (no sqrt(n))", """
+def paired_t(first, second):
+    d = np.asarray(first) - np.asarray(second)
+    return float(d.mean() / d.std(ddof=1))
+"""),
+            ("second - first", """
+def paired_t(first, second):
+    d = np.asarray(second) - np.asarray(first)
+    return float(d.mean() / (d.std(ddof=1) / math.sqrt(len(d))))
+"""),
+            ("the constant the notebook prints for DAMCHA - MHA", """
+def paired_t(first, second):
+    return 3.11
+"""),
+            ("a forgotten return (None)", """
+def paired_t(first, second):
+    d = np.asarray(first) - np.asarray(second)
+    d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))
+"""),
+        ],
+    },
 }
 
 
