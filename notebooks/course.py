@@ -106,7 +106,7 @@ def entropy_bits(A):
     return -(A * logs).sum(-1)
 
 
-# ---- notebook 05: the 2x2 study's plots -------------------------------------------------------
+# ---- notebook 06: the 2x2 study's plots -------------------------------------------------------
 
 def half_bar(half):
     """An interval's half-width as matplotlib's xerr/yerr of one point; none for a single seed."""
@@ -133,8 +133,8 @@ def compare_plot(by_variant, variants, colors):
             ax.errorbar([k], [mean], yerr=half_bar(half), fmt="o", color=colors[v], capsize=3)
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks(range(len(others)), others, rotation=20)
-        ax.set(title=f"minus MHA, {title}, 95% t interval")
-    diffs[0].set_ylabel("bpc minus MHA's (negative: better)")
+        ax.set_xlim(-0.5, len(others) - 0.5)             # the points off the spines
+        ax.set(title=f"minus MHA, {title}, 95% t interval", ylabel="bpc minus MHA's (negative: better)")
     for ax in (left, *diffs):
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()

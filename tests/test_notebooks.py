@@ -66,6 +66,7 @@ class Bounded:
 # residuals of an identity (1e-16 and the like), always agree; and the quantities listed here, per
 # notebook, only to their bound, in the committed outputs and the rerun alike: their digits are
 # noise that depends on the CPU and the BLAS.
+NUM_OR_HIDDEN = rf"(?:{NUM}|<machine-dependent>)"   # a number of a line whose other numbers are bounded first
 MACHINE_DEPENDENT = {
     "02_backward_walkthrough.ipynb": [
         Bounded(rf"(?:max \|analytic - numeric\||values \+ query \+ key +max \|total - numeric\|) = (?P<value>{NUM})", 1e-7,
@@ -90,6 +91,18 @@ MACHINE_DEPENDENT = {
                 "the float16 snapshot's score minus the committed one, both of 158,827 targets in float32: a "
                 "difference in the last printed digit, which another CPU's rounding moves; the prose says it "
                 "costs nothing measurable, below the results tables' 4 decimals"),
+    ],
+    "06_what_helps_2x2.ipynb": [
+        Bounded(rf"(?P<value>{NUM}) bpc", 10.0,
+                "Section 1's live pair: 250 float32 training steps per model, whose last digits follow the CPU's "
+                "matmul kernels and grow through training; a bpc and a per-seed difference, below uniform guessing's "
+                "log2 of the vocabulary; the prose states neither their digits nor their sign"),
+        Bounded(rf"(?P<value>{NUM}) \[{NUM_OR_HIDDEN}, {NUM_OR_HIDDEN}\] \(live", 2.0,
+                "the live pair's mean difference, over its three seeds"),
+        Bounded(rf"{NUM_OR_HIDDEN} \[(?P<value>{NUM}), {NUM_OR_HIDDEN}\] \(live", 5.0,
+                "the live pair's 95% interval, low end: three seeds give a wide one"),
+        Bounded(rf"{NUM_OR_HIDDEN} \[{NUM_OR_HIDDEN}, (?P<value>{NUM})\] \(live", 5.0,
+                "the live pair's 95% interval, high end"),
     ],
 }
 
@@ -184,6 +197,84 @@ def paired_t(first, second):
 def paired_t(first, second):
     d = np.asarray(first) - np.asarray(second)
     d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))
+"""),
+        ],
+    },
+    "06_what_helps_2x2.ipynb": {
+        "paired_interval": [
+            ("the standard deviation with n, not n - 1 (ddof=0)", """
+def paired_interval(first, second, t_crit):
+    d = np.asarray(first) - np.asarray(second)
+    return float(d.mean()), float(t_crit * d.std() / math.sqrt(len(d)))
+"""),
+            ("unpaired: the two groups' own spreads", """
+def paired_interval(first, second, t_crit):
+    a, b = np.asarray(first), np.asarray(second)
+    return float(a.mean() - b.mean()), float(t_crit * math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)))
+"""),
+            ("the normal's 1.96 instead of Student's quantile", """
+def paired_interval(first, second, t_crit):
+    d = np.asarray(first) - np.asarray(second)
+    return float(d.mean()), float(1.96 * d.std(ddof=1) / math.sqrt(len(d)))
+"""),
+            ("the standard deviation, not the standard error (no sqrt(n))", """
+def paired_interval(first, second, t_crit):
+    d = np.asarray(first) - np.asarray(second)
+    return float(d.mean()), float(t_crit * d.std(ddof=1))
+"""),
+            ("a forgotten return (None)", """
+def paired_interval(first, second, t_crit):
+    d = np.asarray(first) - np.asarray(second)
+    (float(d.mean()), float(t_crit * d.std(ddof=1) / math.sqrt(len(d))))
+"""),
+        ],
+        "weight_decay_shrink": [
+            ("the peak rate at every step", """
+def weight_decay_shrink(lrs, weight_decay):
+    return (1 - np.max(lrs) * weight_decay) ** np.arange(len(lrs) + 1)
+"""),
+            ("to first order: one minus the summed decay", """
+def weight_decay_shrink(lrs, weight_decay):
+    return 1 - weight_decay * np.concatenate([[0.0], np.cumsum(lrs)])
+"""),
+            ("no factor for t = 0 (the wrong shape)", """
+def weight_decay_shrink(lrs, weight_decay):
+    return np.cumprod(1 - np.asarray(lrs) * weight_decay)
+"""),
+            ("the learning rate left out of the decay", """
+def weight_decay_shrink(lrs, weight_decay):
+    return np.concatenate([[1.0], np.cumprod(np.full(len(lrs), 1 - weight_decay))])
+"""),
+            ("a forgotten return (None)", """
+def weight_decay_shrink(lrs, weight_decay):
+    np.concatenate([[1.0], np.cumprod(1 - np.asarray(lrs) * weight_decay)])
+"""),
+        ],
+        "factor_effects": [
+            ("the sums without the 1/2", """
+def factor_effects(d):
+    i, iv, iii, ii = (d[r] for r in ("i", "iv", "iii", "ii"))
+    return dict(passes=iii + ii - i - iv, dropout=iv + ii - i - iii, interaction=(ii - iv) - (iii - i))
+"""),
+            ("the interaction's sign flipped", """
+def factor_effects(d):
+    i, iv, iii, ii = (d[r] for r in ("i", "iv", "iii", "ii"))
+    return dict(passes=(iii + ii - i - iv) / 2, dropout=(iv + ii - i - iii) / 2, interaction=(iii - i) - (ii - iv))
+"""),
+            ("passes and dropout swapped", """
+def factor_effects(d):
+    i, iv, iii, ii = (d[r] for r in ("i", "iv", "iii", "ii"))
+    return dict(passes=(iv + ii - i - iii) / 2, dropout=(iii + ii - i - iv) / 2, interaction=(ii - iv) - (iii - i))
+"""),
+            ("the means over the seeds, not one value per seed (the wrong shape)", """
+def factor_effects(d):
+    i, iv, iii, ii = (d[r].mean() for r in ("i", "iv", "iii", "ii"))
+    return dict(passes=(iii + ii - i - iv) / 2, dropout=(iv + ii - i - iii) / 2, interaction=(ii - iv) - (iii - i))
+"""),
+            ("a forgotten return (None)", """
+def factor_effects(d):
+    i, iv, iii, ii = (d[r] for r in ("i", "iv", "iii", "ii"))
+    dict(passes=(iii + ii - i - iv) / 2, dropout=(iv + ii - i - iii) / 2, interaction=(ii - iv) - (iii - i))
 """),
         ],
     },
