@@ -1,19 +1,96 @@
 """notebooks/course.py: small helpers the notebooks share, kept out of their cells so that each cell
-shows one idea: exercise grading, softmax and entropy rows, and notebook 05's plots. Plain functions, no state.
+shows one idea: exercise checks and their grades, softmax and entropy rows, and notebook 05's plots.
+Plain functions, no state.
 
     import course        # the notebooks put notebooks/ on sys.path and import it
+
+An exercise is a cell (tagged "exercise") that holds a stub, `def name(args):`, a docstring and
+`raise NotImplementedError`, for the learner to fill in. Its check cell (tagged "check") calls
+
+    course.check("01.2", lambda: name(inputs), course.close_to(expected, 1e-10))
+
+on inputs the notebook has not printed, and prints one line: not attempted yet, pass or FAIL.
 """
+import json
 import math
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 
 
-def grade(name, error, tolerance, what="max |error|"):
-    """Print an exercise's verdict: pass when error <= tolerance, with the size of the error."""
-    verdict = "pass" if error <= tolerance else "FAIL"
-    print(f"exercise {name}: {verdict}, {what} = {error:.1e} (tolerance {tolerance:.0e})")
+NOT_ATTEMPTED = "not attempted yet — write your answer in the cell above"
 
+
+def check(name, attempt, grade):
+    """Grade an exercise and print one line, "exercise <name>: ...": not attempted yet while
+    attempt() raises NotImplementedError (the stub as given); FAIL when it raises anything else (its
+    type and message), returns None, or grade(result) says no; pass otherwise. grade(result) returns
+    (ok, detail), detail saying how close the result came. Never raises: a notebook runs on."""
+    try:
+        result = attempt()
+    except NotImplementedError:
+        print(f"exercise {name}: {NOT_ATTEMPTED}")
+        return
+    except Exception as error:                       # the learner's code failed: say how, no traceback
+        print(f"exercise {name}: FAIL, your code raised {type(error).__name__}: {error}")
+        return
+    if result is None:
+        ok, detail = False, "it returned None (is a return statement missing?)"
+    else:
+        try:
+            ok, detail = grade(result)
+        except NotANumber as error:
+            ok, detail = False, str(error)
+        except Exception as error:                   # a result the grader cannot read
+            ok, detail = False, f"the result could not be graded ({type(error).__name__}: {error})"
+    print(f"exercise {name}: {'pass' if ok else 'FAIL'}, {detail}")
+
+
+class NotANumber(ValueError):
+    """A result that is not a number or an array of numbers; its message says what it is."""
+
+
+def _as_array(result, what):
+    """result as a float array, or NotANumber saying what it was instead."""
+    try:
+        return np.asarray(result, dtype=float)
+    except (TypeError, ValueError):
+        raise NotANumber(f"{what} is of type {type(result).__name__}, not an array of numbers") from None
+
+
+def close_to(expected, tolerance, names=None):
+    """A grade: the result has expected's shape and differs from it by at most `tolerance` in every
+    entry. With a tuple of arrays for expected, the result must be a tuple of as many arrays, each
+    graded so, named by `names` in the detail."""
+    several = isinstance(expected, tuple)
+    wanted = expected if several else (expected,)
+    names = names or (["the result"] if not several else [f"part {k}" for k in range(len(wanted))])
+
+    def grade(result):
+        if several and (not isinstance(result, (tuple, list)) or len(result) != len(wanted)):
+            return False, f"a result of type {type(result).__name__} where a tuple of {len(wanted)} arrays is expected"
+        parts, ok = [], True
+        for name, got, want in zip(names, result if several else (result,), wanted):
+            got, want = _as_array(got, name), np.asarray(want, dtype=float)
+            if got.shape != want.shape:
+                return False, f"{name} has shape {got.shape} where {want.shape} is expected"
+            error = float(np.max(np.abs(got - want))) if want.size else 0.0
+            ok = ok and error <= tolerance
+            parts.append((f"{name}: " if several else "") + f"max |error| = {error:.1e}")
+        return ok, "; ".join(parts) + f" (tolerance {tolerance:.0e})"
+    return grade
+
+
+def within(expected, tolerance):
+    """A grade: the result is one number, at most `tolerance` from expected."""
+    def grade(result):
+        value = _as_array(result, "the result")
+        if value.shape != ():
+            return False, f"an array of shape {value.shape} where one number is expected"
+        error = abs(float(value) - expected)
+        return error <= tolerance, f"|error| = {error:.1e} (tolerance {tolerance:.0e})"
+    return grade
 
 
 def softmax_rows(S):
@@ -29,7 +106,7 @@ def entropy_bits(A):
     return -(A * logs).sum(-1)
 
 
-# ---- notebook 05: the 2x2 study's plots -------------------------------------------------------
+# ---- notebook 06: the 2x2 study's plots -------------------------------------------------------
 
 def half_bar(half):
     """An interval's half-width as matplotlib's xerr/yerr of one point; none for a single seed."""
@@ -56,8 +133,8 @@ def compare_plot(by_variant, variants, colors):
             ax.errorbar([k], [mean], yerr=half_bar(half), fmt="o", color=colors[v], capsize=3)
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks(range(len(others)), others, rotation=20)
-        ax.set(title=f"minus MHA, {title}, 95% t interval")
-    diffs[0].set_ylabel("bpc minus MHA's (negative: better)")
+        ax.set_xlim(-0.5, len(others) - 0.5)             # the points off the spines
+        ax.set(title=f"minus MHA, {title}, 95% t interval", ylabel="bpc minus MHA's (negative: better)")
     for ax in (left, *diffs):
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
@@ -130,3 +207,33 @@ def regimes_plot(by_regime, variants, colors):
 def fmt_interval(mean, half):
     """'+0.0123 [-0.0040, +0.0286]': a mean and its 95% interval; the mean alone from one seed."""
     return f"{mean:+.4f}" + ("" if half is None else f" [{mean - half:+.4f}, {mean + half:+.4f}]")
+
+
+# ---- notebooks 04 to 06: intervals, and the 2x2 study's committed results --------------------
+
+# Student's t, the 0.975 quantile by degrees of freedom (lab/reproduce.py's t_quantile gives these):
+# a 95% t interval of n seeds' mean is mean +- T_975[n - 1] standard errors.
+T_975 = {2: 4.302652729749523, 4: 2.776445105197789}
+
+# The 2x2 study's results (lab/reproduce.py --study=2x2 writes them): notebooks 05 and 06 read them here.
+STUDY2X2 = Path(__file__).resolve().parent.parent / "results" / "study2x2"
+
+
+def study2x2(regime):
+    """A regime's summary.json of the 2x2 study, parsed, with its rows also by variant: rows[v]."""
+    summary = json.loads((STUDY2X2 / regime / "summary.json").read_text())
+    return dict(summary, by_variant={r["variant"]: r for r in summary["rows"]})
+
+
+def paired_cases(regimes=("i", "ii")):
+    """The 2x2 study's paired comparisons with MHA, equal steps: per regime and variant, (the
+    variant's per-seed whole-val bpc, MHA's, lab/reproduce.py's (mean, half-width) of the 95% t
+    interval of their per-seed difference, and the t statistic that interval implies)."""
+    cases = []
+    for regime in regimes:
+        rows = study2x2(regime)["by_variant"]
+        for v in (v for v in rows if v != "mha"):
+            mean, half = rows[v]["diff_equal_steps"]
+            n = len(rows[v]["val_bpc"])
+            cases.append((rows[v]["val_bpc"], rows["mha"]["val_bpc"], (mean, half), mean / (half / T_975[n - 1])))
+    return cases

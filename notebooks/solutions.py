@@ -1,9 +1,9 @@
 """notebooks/solutions.py: the reference answers to the notebooks' exercises.
 
-Every exercise cell of notebooks/01 to 05 defines a function whose body is one line, a call to the
-answer here; the check in the next cell grades whatever the function returns. To do an exercise,
-replace that line with your own code and run the check. Read an answer here only after trying.
-The notebooks import this file themselves (they run with notebooks/ as the working directory).
+Each exercise cell of a notebook holds a stub, a function that raises NotImplementedError, for you
+to write; the check after it grades what your function returns. The function of the same name here
+is the reference answer: read it only after trying. The notebooks never import this file; the tests
+(tests/test_notebooks.py) put each answer here in place of its stub, and its check must pass.
 
     python -c "import solutions"      # from notebooks/: it imports NumPy and nothing else
 """
@@ -66,31 +66,47 @@ def prefix_mean_backward(dc, counts):
     return np.cumsum((dc / counts)[:, ::-1], axis=1)[:, ::-1]
 
 
-# ---- 03 to 05: the numbers of the runs ----------------------------------------------------------
+# ---- 04 to 06: the numbers of the runs ----------------------------------------------------------
 
 def paired_gain(mse_mha, mse_damcha):
-    """03, exercise 1: the mean over seeds of each seed's relative gain (MSE_MHA - MSE_DAMCHA) / MSE_MHA."""
+    """04, exercise 1: each seed's relative gain (MSE_MHA - MSE_DAMCHA) / MSE_MHA, the two models of
+    a seed having seen the same teacher and data, then the mean over the seeds. Not the gain of the
+    two means, 1 - mean(MSE_DAMCHA) / mean(MSE_MHA): that pools the seeds before pairing them."""
     mha, damcha = np.asarray(mse_mha, float), np.asarray(mse_damcha, float)
     return float(np.mean((mha - damcha) / mha))
 
 
 def paired_t(first, second):
-    """04, exercise 1: the paired t statistic of first - second, seed by seed: mean / (sd / sqrt(n))."""
-    d = np.asarray(first, float) - np.asarray(second, float)
-    return float(d.mean() / (d.std(ddof=1) / math.sqrt(len(d))))
+    """05, exercise 1: how many standard errors the mean of the per-seed differences lies from
+    zero. The standard error of a mean of n values is their standard deviation (with n - 1, the
+    sample's) over sqrt(n)."""
+    diffs = np.asarray(first, float) - np.asarray(second, float)
+    standard_error = diffs.std(ddof=1) / math.sqrt(len(diffs))
+    return float(diffs.mean() / standard_error)
 
 
 def paired_interval(first, second, t_crit):
-    """05, exercise 1: (mean, half-width) of the 95% t interval of the paired differences; t_crit is
-    Student's 0.975 quantile for n - 1 degrees of freedom."""
-    d = np.asarray(first, float) - np.asarray(second, float)
-    return float(d.mean()), float(t_crit * d.std(ddof=1) / math.sqrt(len(d)))
+    """06, exercise 1: (mean, half-width) of the 95% t interval of the per-seed differences
+    first - second; t_crit is Student's 0.975 quantile for n - 1 degrees of freedom, and the
+    half-width is t_crit standard errors of the mean."""
+    diffs = np.asarray(first, float) - np.asarray(second, float)
+    return float(diffs.mean()), float(t_crit * diffs.std(ddof=1) / math.sqrt(len(diffs)))
+
+
+def weight_decay_shrink(lrs, weight_decay):
+    """06, exercise 2: c[t], t = 0 .. len(lrs), the factor by which AdamW has shrunk a block's
+    difference from its row's mean after t steps. RowSum hands every block of a row the same
+    gradient, so Adam's step, a function of the gradients alone, is the same for all of them and
+    cancels in the difference; what is left is the decoupled weight decay, p -= lr_s * wd * p at
+    step s, which multiplies the difference by (1 - lr_s * wd): c[t] = prod_{s < t} (1 - lr_s wd)."""
+    factors = 1.0 - np.asarray(lrs, float) * weight_decay
+    return np.concatenate([[1.0], np.cumprod(factors)])
 
 
 def factor_effects(d):
-    """05, exercise 3: from d[regime], one variant's per-seed differences to MHA in the four cells
-    (i: one pass, iv: one pass with dropout, iii: three passes, ii: three passes with dropout), each
-    seed's effect of passes and of dropout (the change averaged over the other factor's two levels)
-    and their interaction (how much dropout changes the effect of passes)."""
+    """06, exercise 3: from d[regime], one variant's per-seed differences to MHA (NumPy arrays) in
+    the four cells (i: one pass, iv: one pass with dropout, iii: three passes, ii: three passes with
+    dropout), each seed's effect of passes and of dropout (the change averaged over the other
+    factor's two levels) and their interaction (how much dropout changes the effect of passes)."""
     i, iv, iii, ii = (np.asarray(d[r], float) for r in ("i", "iv", "iii", "ii"))
     return dict(passes=(iii + ii - i - iv) / 2, dropout=(iv + ii - i - iii) / 2, interaction=(ii - iv) - (iii - i))

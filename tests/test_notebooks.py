@@ -1,4 +1,5 @@
-"""Every notebook in notebooks/ runs top to bottom without an error and shows at least one plot.
+"""Every notebook in notebooks/ runs top to bottom without an error and shows at least one plot,
+and every exercise in it is one a learner must solve, with a check that can tell.
 
 A notebook added later is picked up by the glob. Each one is executed from a fresh kernel, in
 memory (the committed file is not rewritten), with notebooks/ as the working directory, as Jupyter
@@ -12,20 +13,33 @@ hold the outputs of a run: every code cell executed, no error among the outputs,
 text left in any cell, and every figure at least 400 pixels wide (readable on GitHub and in
 JupyterLab).
 
+The exercises (notebooks/course.py says what one is): each stub holds no answer and its check says
+"not attempted" as committed; the same kernel that runs a notebook then redefines each exercise
+with its reference answer from notebooks/solutions.py, whose check must pass, and with each wrong
+answer of WRONG_ANSWERS, whose check must fail; and no expression or constant of a reference
+answer appears in a cell above its check.
+
     python -m pytest -q tests/test_notebooks.py
 """
+import ast
 import base64
+import inspect
 import re
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+sys.path.insert(0, str(NOTEBOOK_DIR))
+import course      # noqa: E402  (notebooks/: the exercises' checks)
+import solutions   # noqa: E402  (notebooks/: their reference answers)
 
 
 MIN_FIGURE_WIDTH = 400                         # pixels, as displayed
@@ -52,6 +66,7 @@ class Bounded:
 # residuals of an identity (1e-16 and the like), always agree; and the quantities listed here, per
 # notebook, only to their bound, in the committed outputs and the rerun alike: their digits are
 # noise that depends on the CPU and the BLAS.
+NUM_OR_HIDDEN = rf"(?:{NUM}|<machine-dependent>)"   # a number of a line whose other numbers are bounded first
 MACHINE_DEPENDENT = {
     "02_backward_walkthrough.ipynb": [
         Bounded(rf"(?:max \|analytic - numeric\||values \+ query \+ key +max \|total - numeric\|) = (?P<value>{NUM})", 1e-7,
@@ -66,19 +81,365 @@ MACHINE_DEPENDENT = {
         Bounded(rf"largest gradient entry (?P<value>{NUM}) \((?P<name>[^)]*)\)", 1e-5,
                 "the largest error relative to its check's gradient, and where: within the checks' relative bar"),
     ],
-    "03_synthetic_tasks.ipynb": [
+    "04_synthetic_tasks.ipynb": [
         Bounded(rf"(?:train MSE \(last 50 steps\)|test MSE) (?P<value>{NUM})", 1.0,
                 "the tiny live run: 150 float32 training steps, whose last digits follow the CPU's matmul "
                 "kernels; on the standardised target, learning anything beats predicting the mean, MSE 1"),
     ],
-    "04_training_results.ipynb": [
+    "05_training_results.ipynb": [
         Bounded(rf"the float32 checkpoint: {NUM}; difference (?P<value>{NUM})", 1e-4,
                 "the float16 snapshot's score minus the committed one, both of 158,827 targets in float32: a "
                 "difference in the last printed digit, which another CPU's rounding moves; the prose says it "
                 "costs nothing measurable, below the results tables' 4 decimals"),
     ],
+    "06_what_helps_2x2.ipynb": [
+        Bounded(rf"(?P<value>{NUM}) bpc", 10.0,
+                "Section 1's live pair: 250 float32 training steps per model, whose last digits follow the CPU's "
+                "matmul kernels and grow through training; a bpc and a per-seed difference, below uniform guessing's "
+                "log2 of the vocabulary; the prose states neither their digits nor their sign"),
+        Bounded(rf"(?P<value>{NUM}) \[{NUM_OR_HIDDEN}, {NUM_OR_HIDDEN}\] \(live", 2.0,
+                "the live pair's mean difference, over its three seeds"),
+        Bounded(rf"{NUM_OR_HIDDEN} \[(?P<value>{NUM}), {NUM_OR_HIDDEN}\] \(live", 5.0,
+                "the live pair's 95% interval, low end: three seeds give a wide one"),
+        Bounded(rf"{NUM_OR_HIDDEN} \[{NUM_OR_HIDDEN}, (?P<value>{NUM})\] \(live", 5.0,
+                "the live pair's 95% interval, high end"),
+    ],
 }
 
+
+# Per notebook, per exercise (the stub's function name), the wrong answers its check must fail:
+# (what the mistake is, the source of a def with the exercise's name and signature).
+WRONG_ANSWERS = {
+    "01_cross_head_metric.ipynb": {
+        "two_steps_back": [
+            ("one step back, angle omega", """
+def two_steps_back(omega, beta):
+    a = omega
+    return beta * np.array([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
+"""),
+            ("the column-vector rotation, which turns a row forward", """
+def two_steps_back(omega, beta):
+    a = 2 * omega
+    return beta * np.array([[math.cos(a), math.sin(a)], [-math.sin(a), math.cos(a)]])
+"""),
+            ("beta left out", """
+def two_steps_back(omega, beta):
+    a = 2 * omega
+    return np.array([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
+"""),
+            ("a forgotten return (None)", """
+def two_steps_back(omega, beta):
+    a = 2 * omega
+    beta * np.array([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
+"""),
+        ],
+    },
+    # ---- 04 to 06 ----
+    "04_synthetic_tasks.ipynb": {
+        "paired_gain": [
+            ("the gain of the two means, unpaired", """
+def paired_gain(mse_mha, mse_damcha):
+    return float(1 - np.mean(mse_damcha) / np.mean(mse_mha))
+"""),
+            ("relative to DAMCHA's MSE instead of MHA's", """
+def paired_gain(mse_mha, mse_damcha):
+    mha, damcha = np.asarray(mse_mha), np.asarray(mse_damcha)
+    return float(np.mean((mha - damcha) / damcha))
+"""),
+            ("a percentage instead of a fraction", """
+def paired_gain(mse_mha, mse_damcha):
+    mha, damcha = np.asarray(mse_mha), np.asarray(mse_damcha)
+    return float(100 * np.mean((mha - damcha) / mha))
+"""),
+            ("the constant the table prints at lambda = 1", """
+def paired_gain(mse_mha, mse_damcha):
+    return 0.26
+"""),
+            ("each seed's gain, not their mean (the wrong shape)", """
+def paired_gain(mse_mha, mse_damcha):
+    mha, damcha = np.asarray(mse_mha), np.asarray(mse_damcha)
+    return (mha - damcha) / mha
+"""),
+            ("a forgotten return (None)", """
+def paired_gain(mse_mha, mse_damcha):
+    mha, damcha = np.asarray(mse_mha), np.asarray(mse_damcha)
+    np.mean((mha - damcha) / mha)
+"""),
+        ],
+    },
+    "05_training_results.ipynb": {
+        "paired_t": [
+            ("the standard deviation with n, not n - 1 (ddof=0)", """
+def paired_t(first, second):
+    d = np.asarray(first) - np.asarray(second)
+    return float(d.mean() / (d.std() / math.sqrt(len(d))))
+"""),
+            ("unpaired: the two groups' own spreads", """
+def paired_t(first, second):
+    a, b = np.asarray(first), np.asarray(second)
+    return float((a.mean() - b.mean()) / math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)))
+"""),
+            ("the standard deviation, not the standard error (no sqrt(n))", """
+def paired_t(first, second):
+    d = np.asarray(first) - np.asarray(second)
+    return float(d.mean() / d.std(ddof=1))
+"""),
+            ("second - first", """
+def paired_t(first, second):
+    d = np.asarray(second) - np.asarray(first)
+    return float(d.mean() / (d.std(ddof=1) / math.sqrt(len(d))))
+"""),
+            ("the constant the notebook prints for DAMCHA - MHA", """
+def paired_t(first, second):
+    return 3.11
+"""),
+            ("a forgotten return (None)", """
+def paired_t(first, second):
+    d = np.asarray(first) - np.asarray(second)
+    d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))
+"""),
+        ],
+    },
+    "06_what_helps_2x2.ipynb": {
+        "paired_interval": [
+            ("the standard deviation with n, not n - 1 (ddof=0)", """
+def paired_interval(first, second, t_crit):
+    d = np.asarray(first) - np.asarray(second)
+    return float(d.mean()), float(t_crit * d.std() / math.sqrt(len(d)))
+"""),
+            ("unpaired: the two groups' own spreads", """
+def paired_interval(first, second, t_crit):
+    a, b = np.asarray(first), np.asarray(second)
+    return float(a.mean() - b.mean()), float(t_crit * math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)))
+"""),
+            ("the normal's 1.96 instead of Student's quantile", """
+def paired_interval(first, second, t_crit):
+    d = np.asarray(first) - np.asarray(second)
+    return float(d.mean()), float(1.96 * d.std(ddof=1) / math.sqrt(len(d)))
+"""),
+            ("the standard deviation, not the standard error (no sqrt(n))", """
+def paired_interval(first, second, t_crit):
+    d = np.asarray(first) - np.asarray(second)
+    return float(d.mean()), float(t_crit * d.std(ddof=1))
+"""),
+            ("a forgotten return (None)", """
+def paired_interval(first, second, t_crit):
+    d = np.asarray(first) - np.asarray(second)
+    (float(d.mean()), float(t_crit * d.std(ddof=1) / math.sqrt(len(d))))
+"""),
+        ],
+        "weight_decay_shrink": [
+            ("the peak rate at every step", """
+def weight_decay_shrink(lrs, weight_decay):
+    return (1 - np.max(lrs) * weight_decay) ** np.arange(len(lrs) + 1)
+"""),
+            ("to first order: one minus the summed decay", """
+def weight_decay_shrink(lrs, weight_decay):
+    return 1 - weight_decay * np.concatenate([[0.0], np.cumsum(lrs)])
+"""),
+            ("no factor for t = 0 (the wrong shape)", """
+def weight_decay_shrink(lrs, weight_decay):
+    return np.cumprod(1 - np.asarray(lrs) * weight_decay)
+"""),
+            ("the learning rate left out of the decay", """
+def weight_decay_shrink(lrs, weight_decay):
+    return np.concatenate([[1.0], np.cumprod(np.full(len(lrs), 1 - weight_decay))])
+"""),
+            ("a forgotten return (None)", """
+def weight_decay_shrink(lrs, weight_decay):
+    np.concatenate([[1.0], np.cumprod(1 - np.asarray(lrs) * weight_decay)])
+"""),
+        ],
+        "factor_effects": [
+            ("the sums without the 1/2", """
+def factor_effects(d):
+    i, iv, iii, ii = (d[r] for r in ("i", "iv", "iii", "ii"))
+    return dict(passes=iii + ii - i - iv, dropout=iv + ii - i - iii, interaction=(ii - iv) - (iii - i))
+"""),
+            ("the interaction's sign flipped", """
+def factor_effects(d):
+    i, iv, iii, ii = (d[r] for r in ("i", "iv", "iii", "ii"))
+    return dict(passes=(iii + ii - i - iv) / 2, dropout=(iv + ii - i - iii) / 2, interaction=(iii - i) - (ii - iv))
+"""),
+            ("passes and dropout swapped", """
+def factor_effects(d):
+    i, iv, iii, ii = (d[r] for r in ("i", "iv", "iii", "ii"))
+    return dict(passes=(iv + ii - i - iii) / 2, dropout=(iii + ii - i - iv) / 2, interaction=(ii - iv) - (iii - i))
+"""),
+            ("the means over the seeds, not one value per seed (the wrong shape)", """
+def factor_effects(d):
+    i, iv, iii, ii = (d[r].mean() for r in ("i", "iv", "iii", "ii"))
+    return dict(passes=(iii + ii - i - iv) / 2, dropout=(iv + ii - i - iii) / 2, interaction=(ii - iv) - (iii - i))
+"""),
+            ("a forgotten return (None)", """
+def factor_effects(d):
+    i, iv, iii, ii = (d[r] for r in ("i", "iv", "iii", "ii"))
+    dict(passes=(iii + ii - i - iv) / 2, dropout=(iv + ii - i - iii) / 2, interaction=(ii - iv) - (iii - i))
+"""),
+        ],
+    },
+}
+
+
+def tags(cell):
+    return cell.get("metadata", {}).get("tags", [])
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """An exercise of a notebook: the function its stub defines, the stub's cell, its check's cell,
+    and the check's label ("01.2")."""
+    name: str
+    stub: int
+    check: int
+    label: str
+
+
+CHECK_CALL = re.compile(r"course\.check\(\s*[\"'](?P<label>\d\d\.\d+)[\"']")
+
+
+def exercises(nb):
+    """The exercises of a notebook, found by their cells' tags: each "check" cell grades the
+    "exercise" cell before it (an untagged cell of inputs may stand between them)."""
+    found, stub = [], None
+    for n, cell in enumerate(nb.cells):
+        if "exercise" in tags(cell):
+            assert stub is None, f"cell {n}: an exercise cell follows cell {stub}'s without a check between them"
+            stub = n
+        if "check" in tags(cell):
+            assert stub is not None, f"cell {n}: a check cell with no exercise cell before it"
+            label = CHECK_CALL.search(cell.source)
+            assert label, f"cell {n}: a check cell without a course.check(\"NN.k\", ...) call"
+            name = stub_function(nb.cells[stub].source).name
+            found.append(Exercise(name, stub, n, label.group("label")))
+            stub = None
+    assert stub is None, f"cell {stub}: an exercise cell with no check cell after it"
+    return found
+
+
+def stub_function(source):
+    """The one function an exercise cell defines."""
+    tree = ast.parse(source)
+    assert len(tree.body) == 1 and isinstance(tree.body[0], ast.FunctionDef), \
+        f"an exercise cell must hold one def and nothing else:\n{source}"
+    return tree.body[0]
+
+
+def normalized(code):
+    """Code without its spacing and with one kind of quote, for finding one text in another."""
+    return re.sub(r"\s+", "", code).replace('"', "'")
+
+
+def answer_fragments(function):
+    """What of a reference answer must not be on screen before its check: every expression of its
+    body of at least 8 characters (a name, an attribute or a constant alone does not count), and
+    every number it writes other than the small integers and 0.5."""
+    tree = stub_function(inspect.getsource(function))
+    body = tree.body[1:] if ast.get_docstring(tree) else tree.body
+    expressions, numbers = set(), set()
+    for node in (sub for statement in body for sub in ast.walk(statement)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            if not (node.value == 0.5 or (float(node.value).is_integer() and abs(node.value) <= 10)):
+                numbers.add(repr(node.value))
+        elif isinstance(node, ast.expr) and not isinstance(node, (ast.Name, ast.Attribute, ast.Constant)):
+            text = normalized(ast.unparse(node))
+            if len(text) >= 8:
+                expressions.add(text)
+    return expressions, numbers
+
+
+def on_screen(cell):
+    """A cell's source and the text its outputs show."""
+    outputs = "".join(out.get("text", "") or out.get("data", {}).get("text/plain", "") for out in cell.get("outputs", []))
+    return cell.source + "\n" + outputs
+
+
+def test_check_prints_one_line_for_each_outcome(capsys):
+    def stub():
+        raise NotImplementedError
+    grade = course.close_to(np.eye(2), 1e-8)
+    cases = [(stub, "not attempted yet — write your answer in the cell above"),
+             (lambda: np.eye(2), "pass, max |error| = 0.0e+00 (tolerance 1e-08)"),
+             (lambda: 2 * np.eye(2), "FAIL, max |error| = 1.0e+00 (tolerance 1e-08)"),
+             (lambda: np.eye(3), "FAIL, the result has shape (3, 3) where (2, 2) is expected"),
+             (lambda: None, "FAIL, it returned None (is a return statement missing?)"),
+             (lambda: "eye", "FAIL, the result is of type str, not an array of numbers"),
+             (lambda: np.ones(2) @ np.ones(3), "FAIL, your code raised ValueError: matmul: Input operand 1 has a mismatch")]
+    for attempt, line in cases:
+        course.check("00.1", attempt, grade)
+        assert capsys.readouterr().out.startswith("exercise 00.1: " + line)
+    course.check("00.2", lambda: 0.26, course.within(0.31, 0.01))
+    course.check("00.2", lambda: np.ones(2), course.within(0.31, 0.01))
+    course.check("00.3", lambda: (np.eye(2), np.eye(2)), course.close_to((np.eye(2), 2 * np.eye(2)), 1e-8, names=("dx", "dm")))
+    course.check("00.3", lambda: np.eye(2), course.close_to((np.eye(2), 2 * np.eye(2)), 1e-8, names=("dx", "dm")))
+    assert capsys.readouterr().out.splitlines() == [
+        "exercise 00.2: FAIL, |error| = 5.0e-02 (tolerance 1e-02)",
+        "exercise 00.2: FAIL, an array of shape (2,) where one number is expected",
+        "exercise 00.3: FAIL, dx: max |error| = 0.0e+00; dm: max |error| = 1.0e+00 (tolerance 1e-08)",
+        "exercise 00.3: FAIL, a result of type ndarray where a tuple of 2 arrays is expected"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_exercises_are_stubs_with_a_reference_and_wrong_answers(path):
+    """Each exercise cell defines a function that raises NotImplementedError after its docstring;
+    solutions.py holds the reference answer of the same name and signature; WRONG_ANSWERS lists at
+    least two wrong answers for it, and nothing for an exercise the notebook does not have."""
+    nb = nbformat.read(path, as_version=4)
+    found = exercises(nb)
+    labels = [ex.label for ex in found]
+    assert labels == [f"{path.name[:2]}.{k}" for k in range(1, len(found) + 1)], f"{path.name}: check labels {labels}"
+    for ex in found:
+        stub = stub_function(nb.cells[ex.stub].source)
+        body = stub.body[1:] if ast.get_docstring(stub) else None
+        assert body and len(body) == 1 and ast.unparse(body[0]) == "raise NotImplementedError", \
+            f"{path.name}, cell {ex.stub}: the stub must be a docstring and `raise NotImplementedError`"
+        assert hasattr(solutions, ex.name), f"{path.name}: solutions.py has no reference answer {ex.name}"
+        reference = stub_function(inspect.getsource(getattr(solutions, ex.name)))
+        assert ast.unparse(reference.args) == ast.unparse(stub.args), f"{path.name}: {ex.name}'s signature differs from the reference's"
+        wrong = WRONG_ANSWERS.get(path.name, {}).get(ex.name, [])
+        assert len(wrong) >= 2, f"{path.name}: WRONG_ANSWERS lists {len(wrong)} wrong answers for {ex.name}, at least 2 are needed"
+        for label, source in wrong:
+            assert stub_function(source).name == ex.name, f"{path.name}: the wrong answer {label!r} does not define {ex.name}"
+    unknown = set(WRONG_ANSWERS.get(path.name, {})) - {ex.name for ex in found}
+    assert not unknown, f"{path.name}: WRONG_ANSWERS lists exercises the notebook does not have: {sorted(unknown)}"
+
+
+def test_wrong_answers_are_for_notebooks_that_exist():
+    assert set(WRONG_ANSWERS) <= {path.name for path in NOTEBOOKS}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_path_to_the_answers(path):
+    """No code cell reaches solutions.py (by import, call or file); text may name it only after the
+    last check, as where to read the answers."""
+    nb = nbformat.read(path, as_version=4)
+    last_check = max([ex.check for ex in exercises(nb)], default=-1)
+    reaching = [n for n, cell in enumerate(nb.cells)
+                if "solutions" in cell.source and (cell.cell_type == "code" or n < last_check)]
+    assert not reaching, f"{path.name}: cells that name solutions: {reaching}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_check_says_not_attempted_as_committed(path):
+    nb = nbformat.read(path, as_version=4)
+    for ex in exercises(nb):
+        shown = printed(nb)[ex.check]
+        assert shown == f"exercise {ex.label}: {course.NOT_ATTEMPTED}\n", \
+            f"{path.name}, cell {ex.check}: the committed check prints {shown!r}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_answer_on_screen_before_its_check(path):
+    """No expression of a reference answer's body (spacing and quotes aside) is in the source of a
+    cell above its check, and no number it writes is in such a cell's source or printed output."""
+    nb = nbformat.read(path, as_version=4)
+    for ex in exercises(nb):
+        expressions, numbers = answer_fragments(getattr(solutions, ex.name))
+        for n, cell in enumerate(nb.cells[:ex.check]):
+            code = normalized(cell.source)
+            shown = [e for e in expressions if e in code]
+            shown += [x for x in numbers if re.search(rf"(?<![\d.]){re.escape(x)}(?!\d)", on_screen(cell))]
+            assert not shown, f"{path.name}, cell {n}: {ex.name}'s answer is on screen before its check (cell {ex.check}): {shown}"
 
 def images(nb):
     return [out for cell in nb.cells if cell.cell_type == "code"
@@ -232,20 +593,53 @@ def test_figures_are_wide_enough(path):
     assert not narrow, f"{path.name}: figures narrower than {MIN_FIGURE_WIDTH} px (cell, width): {narrow}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_runs_and_plots(path):
+def run_and_grade(path):
+    """Execute a notebook as committed, cell by cell in one kernel, in memory, with notebooks/ as the
+    working directory; right after each check cell, redefine its exercise with the reference answer
+    and then each wrong answer, rerun the check after each, and put the stub back. Returns the run
+    notebook and, per answer tried, (exercise, the answer's label, the verdict it needs, the line
+    printed). Raises CellExecutionError, with the failing cell and its traceback, on an error."""
     nb = nbformat.read(path, as_version=4)
-    committed = printed(nb)
     for cell in nb.cells:                      # judge this run's outputs, not the committed ones
         if cell.cell_type == "code":
             cell.outputs = []
-    # raises CellExecutionError, with the failing cell and its traceback, on the first error
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOK_DIR)}}).execute()
+    checks = {ex.check: ex for ex in exercises(nb)}
+    client = NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    graded = []
+    with client.setup_kernel():
+        for n, cell in enumerate(nb.cells):
+            client.execute_cell(cell, n)
+            if n not in checks:
+                continue
+            ex = checks[n]
+            answers = [("the reference answer", inspect.getsource(getattr(solutions, ex.name)), "pass")]
+            answers += [(label, source, "FAIL") for label, source in WRONG_ANSWERS.get(path.name, {}).get(ex.name, [])]
+            stub = nb.cells[ex.stub]
+            for label, source, verdict in answers:
+                client.execute_cell(nbformat.v4.new_code_cell(source), ex.stub)
+                rerun = client.execute_cell(nbformat.v4.new_code_cell(cell.source), n)
+                graded.append((ex, label, verdict, "".join(out.get("text", "") for out in rerun.outputs)))
+            client.execute_cell(nbformat.v4.new_code_cell(stub.source), ex.stub)
+            nb.cells[ex.stub], nb.cells[n] = stub, cell      # execute_cell put each cell it ran in their place
+    return nb, graded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_runs_and_plots_and_grades_every_answer(path):
+    """The notebook as committed: it runs, plots, prints what the committed file shows (every check:
+    not attempted); and each check passes the reference answer and fails each wrong one."""
+    committed = printed(nbformat.read(path, as_version=4))
+    nb, graded = run_and_grade(path)
     assert images(nb), f"{path.name}: no cell produced a plot (image/png output)"
     for n, text in printed(nb).items():
         problems = disagreements(committed[n], text, MACHINE_DEPENDENT.get(path.name, []))
         assert not problems, (
             f"{path.name}, cell {n} prints what its committed output does not show ({'; '.join(problems)}): run the "
             f"notebook, read its prose against the new numbers, and commit it.\ncommitted:\n{committed[n]}\nthis run:\n{text}")
+    for ex in exercises(nb):
+        assert printed(nb)[ex.check] == f"exercise {ex.label}: {course.NOT_ATTEMPTED}\n"
+    wrong = [f"{ex.label} ({ex.name}) with {label}: {line.strip()!r} where {verdict} is due"
+             for ex, label, verdict, line in graded if not line.startswith(f"exercise {ex.label}: {verdict},")]
+    assert not wrong, f"{path.name}: checks that misjudge an answer:\n" + "\n".join(wrong)

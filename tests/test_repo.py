@@ -265,10 +265,10 @@ BOOK_FUNCTION_LINES = 60
 # A training run is one story, settings to the last step, as in nanoGPT's train.py: split into
 # functions that pass its state around, it would be harder to follow, not easier.
 LONG_BY_DESIGN = {("train_char.py", "train")}
-# Notebooks that show a lab experiment, and so may import the lab, with the reason. Notebooks 04 and
-# 05 show lab results too, but read them from results/: they need none of the lab's code.
+# Notebooks that show a lab experiment, and so may import the lab, with the reason. Notebooks 05 and
+# 06 show lab results too, but read them from results/: they need none of the lab's code.
 NOTEBOOKS_THAT_SHOW_THE_LAB = {
-    "notebooks/03_synthetic_tasks.ipynb": "it presents the synthetic study: the task definitions it checks and its "
+    "notebooks/04_synthetic_tasks.ipynb": "it presents the synthetic study: the task definitions it checks and its "
                                           "live run are lab/synthetic.py's own functions, which a copy would duplicate",
 }
 
