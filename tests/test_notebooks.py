@@ -121,6 +121,48 @@ def two_steps_back(omega, beta):
 """),
         ],
     },
+    "02_what_the_metric_expresses.ipynb": {
+        "zeroed_query_row": [
+            ("t keys instead of t + 1", """
+def zeroed_query_row(t):
+    return np.full(t, 1.0 / t)
+"""),
+            ("all the attention on the query's own position", """
+def zeroed_query_row(t):
+    return np.eye(t + 1)[t]
+"""),
+            ("the row of t = 6, a constant", """
+def zeroed_query_row(t):
+    return np.full(7, 1 / 7)
+"""),
+            ("the right row as a column, shape (t + 1, 1)", """
+def zeroed_query_row(t):
+    return np.full((t + 1, 1), 1.0 / (t + 1))
+"""),
+        ],
+        "diagonal_only_row": [
+            ("H + 1 in place of H", """
+def diagonal_only_row(S_row, H):
+    e = np.exp(S_row / (H + 1) - (S_row / (H + 1)).max())
+    return e / e.sum()
+"""),
+            ("H - 1 in place of H", """
+def diagonal_only_row(S_row, H):
+    e = np.exp(S_row / (H - 1) - (S_row / (H - 1)).max())
+    return e / e.sum()
+"""),
+            ("the scores multiplied by H", """
+def diagonal_only_row(S_row, H):
+    e = np.exp(S_row * H - (S_row * H).max())
+    return e / e.sum()
+"""),
+            ("the full model's row, unchanged", """
+def diagonal_only_row(S_row, H):
+    e = np.exp(S_row - S_row.max())
+    return e / e.sum()
+"""),
+        ],
+    },
 }
 
 
