@@ -67,7 +67,7 @@ class Bounded:
 # notebook, only to their bound, in the committed outputs and the rerun alike: their digits are
 # noise that depends on the CPU and the BLAS.
 MACHINE_DEPENDENT = {
-    "02_backward_walkthrough.ipynb": [
+    "03_backward_walkthrough.ipynb": [
         Bounded(rf"(?:max \|analytic - numeric\||values \+ query \+ key +max \|total - numeric\|) = (?P<value>{NUM})", 1e-7,
                 "central differences (eps = 1e-6) err by rounding noise, whose digits follow the BLAS's order "
                 "of additions; the prose promises a few 1e-8 at most"),
@@ -160,6 +160,91 @@ def diagonal_only_row(S_row, H):
 def diagonal_only_row(S_row, H):
     e = np.exp(S_row - S_row.max())
     return e / e.sum()
+"""),
+        ],
+    },
+    "03_backward_walkthrough.ipynb": {
+        "causal_softmax_backward": [
+            ("the weighted mean left out", """
+def causal_softmax_backward(dA, A):
+    return A * dA
+"""),
+            ("the factor A left out", """
+def causal_softmax_backward(dA, A):
+    return dA - (dA * A).sum(-1, keepdims=True)
+"""),
+            ("summed over the queries instead of the keys", """
+def causal_softmax_backward(dA, A):
+    return A * (dA - (dA * A).sum(-2, keepdims=True))
+"""),
+            ("a forgotten return (None)", """
+def causal_softmax_backward(dA, A):
+    dS = A * (dA - (dA * A).sum(-1, keepdims=True))
+"""),
+        ],
+        "metric_query_backward": [
+            ("m not transposed in dx", """
+def metric_query_backward(dq, cache):
+    x, m = cache
+    dx = np.einsum("...e,...ea->...a", dq, m)
+    dm = np.einsum("...a,...e->...ae", x, dq)
+    if m.ndim == 3:
+        dm = dm.reshape(-1, *m.shape).sum(0)
+    return dx, dm
+"""),
+            ("the outer product transposed, dq^T x", """
+def metric_query_backward(dq, cache):
+    x, m = cache
+    dx = np.einsum("...e,...ae->...a", dq, m)
+    dm = np.einsum("...a,...e->...ea", x, dq)
+    if m.ndim == 3:
+        dm = dm.reshape(-1, *m.shape).sum(0)
+    return dx, dm
+"""),
+            ("the static metric's dm not summed over (b, t): the wrong shape", """
+def metric_query_backward(dq, cache):
+    x, m = cache
+    return np.einsum("...e,...ae->...a", dq, m), np.einsum("...a,...e->...ae", x, dq)
+"""),
+            ("the static metric's dm averaged over (b, t) instead of summed", """
+def metric_query_backward(dq, cache):
+    x, m = cache
+    dx = np.einsum("...e,...ae->...a", dq, m)
+    dm = np.einsum("...a,...e->...ae", x, dq)
+    if m.ndim == 3:
+        dm = dm.reshape(-1, *m.shape).mean(0)
+    return dx, dm
+"""),
+        ],
+        "rowsum_backward": [
+            ("divided by H, the backward of a mean", """
+def rowsum_backward(dm, shape):
+    return np.broadcast_to(dm[..., None, :], shape) / shape[-2]
+"""),
+            ("the diagonal block only", """
+def rowsum_backward(dm, shape):
+    dM = np.zeros(shape)
+    for i in range(shape[2]):
+        dM[:, :, i, :, i, :] = dm[:, :, i]
+    return dM
+"""),
+            ("dm itself: the wrong shape", """
+def rowsum_backward(dm, shape):
+    return dm
+"""),
+        ],
+        "prefix_mean_backward": [
+            ("a forward cumsum, the sum over t <= s", """
+def prefix_mean_backward(dc, counts):
+    return np.cumsum(dc / counts, axis=1)
+"""),
+            ("the 1/(t+1) left out", """
+def prefix_mean_backward(dc, counts):
+    return np.cumsum(dc[:, ::-1], axis=1)[:, ::-1]
+"""),
+            ("divided by the counts after the sum", """
+def prefix_mean_backward(dc, counts):
+    return np.cumsum(dc[:, ::-1], axis=1)[:, ::-1] / counts
 """),
         ],
     },
@@ -417,16 +502,16 @@ def test_same_print_lets_the_last_digit_round_the_other_way():
 
 
 def test_a_machine_dependent_number_is_held_to_its_bound_and_the_rest_to_its_digits():
-    # notebook 02's dn.gradcheck line as committed, and as a rerun on an AMD EPYC (OpenBLAS 0.3.31) printed it
+    # notebook 03's dn.gradcheck line as committed, and as a rerun on an AMD EPYC (OpenBLAS 0.3.31) printed it
     line = "dn.gradcheck, folded  : 32 parameter arrays, worst |analytic - numeric| / (1e-8 + 1e-5 |numeric|) = {} ({})\n"
-    nb02 = MACHINE_DEPENDENT["02_backward_walkthrough.ipynb"]
+    nb03 = MACHINE_DEPENDENT["03_backward_walkthrough.ipynb"]
     committed, elsewhere = line.format("0.028", "gen.1.weight"), line.format("0.031", "h.0.mlp.c_proj.weight")
     assert not same_print(committed, elsewhere)                 # digit by digit, the failure on that machine
-    assert disagreements(committed, elsewhere, nb02) == []
-    assert disagreements(committed, elsewhere.replace("32 parameter", "33 parameter"), nb02)   # an exact number moved
-    assert disagreements(committed, elsewhere.replace("folded", "shared"), nb02)                # a word changed
-    assert disagreements(committed, line.format("1.7", "gen.1.weight"), nb02)                   # beyond its bound
-    assert disagreements(line.format("2.5", "gen.1.weight"), elsewhere, nb02)                   # committed beyond it
+    assert disagreements(committed, elsewhere, nb03) == []
+    assert disagreements(committed, elsewhere.replace("32 parameter", "33 parameter"), nb03)   # an exact number moved
+    assert disagreements(committed, elsewhere.replace("folded", "shared"), nb03)                # a word changed
+    assert disagreements(committed, line.format("1.7", "gen.1.weight"), nb03)                   # beyond its bound
+    assert disagreements(line.format("2.5", "gen.1.weight"), elsewhere, nb03)                   # committed beyond it
     assert disagreements(committed, elsewhere, []) == ["a word or an exactly compared number differs"]
 
 
