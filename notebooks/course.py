@@ -1,6 +1,7 @@
 """notebooks/course.py: small helpers the notebooks share, kept out of their cells so that each cell
 shows one idea: exercise checks and their grades, softmax and entropy rows, the scores of one
-damcha_numpy attention layer (notebooks 01 and 02), and notebook 05's plots. Plain functions, no state.
+damcha_numpy attention layer (notebooks 01 and 02), and notebook 05's plots. Plain functions, no
+state.
 
     import course        # the notebooks put notebooks/ on sys.path and import it
 
@@ -14,7 +15,7 @@ on inputs the notebook has not printed, and prints one line: not attempted yet, 
 import matplotlib.pyplot as plt
 import numpy as np
 
-import damcha_numpy as dn      # the repository root is on sys.path: the notebooks put it there first
+import damcha_numpy as dn      # the notebooks put the repository root on sys.path first
 
 
 NOT_ATTEMPTED = "not attempted yet — write your answer in the cell above"
@@ -54,7 +55,8 @@ def _as_array(result, what):
     try:
         return np.asarray(result, dtype=float)
     except (TypeError, ValueError):
-        raise NotANumber(f"{what} is of type {type(result).__name__}, not an array of numbers") from None
+        what_it_is = f"{what} is of type {type(result).__name__}, not an array of numbers"
+        raise NotANumber(what_it_is) from None
 
 
 def close_to(expected, tolerance, names=None):
@@ -67,7 +69,8 @@ def close_to(expected, tolerance, names=None):
 
     def grade(result):
         if several and (not isinstance(result, (tuple, list)) or len(result) != len(wanted)):
-            return False, f"a result of type {type(result).__name__} where a tuple of {len(wanted)} arrays is expected"
+            kind = type(result).__name__
+            return False, f"a result of type {kind} where a tuple of {len(wanted)} arrays is expected"
         parts, ok = [], True
         for name, got, want in zip(names, result if several else (result,), wanted):
             got, want = _as_array(got, name), np.asarray(want, dtype=float)
