@@ -1,6 +1,7 @@
 """notebooks/course.py: small helpers the notebooks share, kept out of their cells so that each cell
-shows one idea: exercise checks and their grades, softmax and entropy rows, and notebook 05's plots.
-Plain functions, no state.
+shows one idea: exercise checks and their grades, softmax and entropy rows, the scores of one
+damcha_numpy attention layer (notebooks 01 and 02), and notebook 06's plots. Plain functions, no
+state.
 
     import course        # the notebooks put notebooks/ on sys.path and import it
 
@@ -12,11 +13,12 @@ An exercise is a cell (tagged "exercise") that holds a stub, `def name(args):`, 
 on inputs the notebook has not printed, and prints one line: not attempted yet, pass or FAIL.
 """
 import json
-import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
+
+import damcha_numpy as dn      # the notebooks put the repository root on sys.path first
 
 
 NOT_ATTEMPTED = "not attempted yet — write your answer in the cell above"
@@ -56,7 +58,8 @@ def _as_array(result, what):
     try:
         return np.asarray(result, dtype=float)
     except (TypeError, ValueError):
-        raise NotANumber(f"{what} is of type {type(result).__name__}, not an array of numbers") from None
+        what_it_is = f"{what} is of type {type(result).__name__}, not an array of numbers"
+        raise NotANumber(what_it_is) from None
 
 
 def close_to(expected, tolerance, names=None):
@@ -69,7 +72,8 @@ def close_to(expected, tolerance, names=None):
 
     def grade(result):
         if several and (not isinstance(result, (tuple, list)) or len(result) != len(wanted)):
-            return False, f"a result of type {type(result).__name__} where a tuple of {len(wanted)} arrays is expected"
+            kind = type(result).__name__
+            return False, f"a result of type {kind} where a tuple of {len(wanted)} arrays is expected"
         parts, ok = [], True
         for name, got, want in zip(names, result if several else (result,), wanted):
             got, want = _as_array(got, name), np.asarray(want, dtype=float)
@@ -104,6 +108,54 @@ def entropy_bits(A):
     A = np.asarray(A, float)
     logs = np.log2(np.where(A > 0, A, 1.0))
     return -(A * logs).sum(-1)
+
+
+# ---- notebooks 01 and 02: one attention layer of damcha_numpy, read for its scores ---------------
+
+def maxdiff(a, b):
+    """max |a - b| over all entries, as a float."""
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+
+
+def metrics(params, config, u):
+    """The metric m of a DAMCHA layer on the input u (B, T, D): (B, T, H, dh, dh) from the generator,
+    or (H, dh, dh) for a static metric."""
+    return dn.metric_forward(params, "", config, u)[0]
+
+
+def attention(params, config, u):
+    """(y, S, A): a one-layer model's attention output (B, T, D), its pre-softmax scores and its
+    attention (B, H, T, T), read from dn.attention_forward's cache; MHA when config.attn is "mha"."""
+    m = metrics(params, config, u) if config.attn == "damcha" else None
+    y, (_, _, cache) = dn.attention_forward(params, "h.0.attn.", config, u, m)
+    q, k, _ = cache["scores"]
+    return y, dn.scores_forward(q, k)[0], cache["softmax"]
+
+
+def scores(params, config, u):
+    """The pre-softmax scores (B, H, T, T) of attention(params, config, u)."""
+    return attention(params, config, u)[1]
+
+
+def head_slice(i, dh):
+    """The columns of u that form head i's slice x_i."""
+    return slice(i * dh, (i + 1) * dh)
+
+
+def block_diag(blocks):
+    """The (H dh, H dh) matrix with the H blocks (dh, dh) on its diagonal and zeros elsewhere."""
+    dh = len(blocks[0])
+    out = np.zeros((len(blocks) * dh, len(blocks) * dh))
+    for i, block in enumerate(blocks):
+        out[head_slice(i, dh), head_slice(i, dh)] = block
+    return out
+
+
+def perturbed(params, std=0.3, seed=1):
+    """params plus an N(0, std) offset: init_params draws weights from N(0, 0.02), and the offset
+    makes the generator's effect visible."""
+    r = np.random.default_rng(seed)
+    return {k: v + r.normal(0.0, std, v.shape) for k, v in params.items()}
 
 
 # ---- notebook 06: the 2x2 study's plots -------------------------------------------------------

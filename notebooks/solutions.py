@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 
-# ---- 01: the formulation ------------------------------------------------------------------------
+# ---- 01 to 03: the formulation, what it expresses, the backward pass ------------------------------
 
 def two_steps_back(omega, beta):
     """01, exercise 1: a metric that makes the query of t attend to t - 2. Rows are vectors, so m
@@ -23,24 +23,27 @@ def two_steps_back(omega, beta):
 
 
 def zeroed_query_row(t):
-    """01, exercise 2: head 0's attention row at query t when its slice of u_t is zero. Every score
+    """02, exercise 1: head 0's attention row at query t when its slice of u_t is zero. Every score
     (0 m) . x_s / sqrt(dh) is 0, so the softmax over the t + 1 keys s <= t is uniform."""
     return np.full(t + 1, 1.0 / (t + 1))
 
 
 def diagonal_only_row(S_row, H):
-    """01, exercise 3, and 05, exercise 2: the attention row the diagonal-only ablation gives, from
-    the full model's scores S_row (one query, its keys s <= t). The diagonal block keeps m_i / H of
-    the metric (plus a decaying remnant of the initialisation), so every score is divided by H."""
+    """02, exercise 2: the attention row the diagonal-only ablation gives, from the full model's
+    scores S_row (one query, its keys s <= t). With the blocks of a row equal, the diagonal block
+    is m_i / H, so every score is divided by H."""
     z = S_row / H
     e = np.exp(z - z.max())
     return e / e.sum()
 
 
-# ---- 02: the backward pass ----------------------------------------------------------------------
+def causal_softmax_backward(dA, A):
+    """03, exercise 1: per row, dS_r = A_r (dA_r - sum_s dA_s A_s); masked entries have A = 0."""
+    return A * (dA - (dA * A).sum(-1, keepdims=True))
+
 
 def metric_query_backward(dq, cache):
-    """02, exercise 2: q = x m per (b, t, i). dx = dq m^T; dm = x^T dq, an outer product, summed
+    """03, exercise 2: q = x m per (b, t, i). dx = dq m^T; dm = x^T dq, an outer product, summed
     over (b, t) when one static m (H, dh, dh) served every position."""
     x, m = cache
     dx = np.einsum("...e,...ae->...a", dq, m)
@@ -51,17 +54,12 @@ def metric_query_backward(dq, cache):
 
 
 def rowsum_backward(dm, shape):
-    """02, exercise 3: m_i = sum_j M_ij, so every block of row i gets dm_i: a broadcast over j."""
+    """03, exercise 3: m_i = sum_j M_ij, so every block of row i gets dm_i: a broadcast over j."""
     return np.broadcast_to(dm[..., None, :], shape).copy()
 
 
-def causal_softmax_backward(dA, A):
-    """02, exercise 1: per row, dS_r = A_r (dA_r - sum_s dA_s A_s); masked entries have A = 0."""
-    return A * (dA - (dA * A).sum(-1, keepdims=True))
-
-
 def prefix_mean_backward(dc, counts):
-    """02, exercise 4: c_t = sum_{s<=t} z_s / (t+1), so dz_s = sum_{t>=s} dc_t / (t+1): divide by the
+    """03, exercise 4: c_t = sum_{s<=t} z_s / (t+1), so dz_s = sum_{t>=s} dc_t / (t+1): divide by the
     counts, then a cumulative sum from the last position back to the first."""
     return np.cumsum((dc / counts)[:, ::-1], axis=1)[:, ::-1]
 
