@@ -12,9 +12,8 @@ train_char.py: train character-level DAMCHA and MHA GPTs, as nanoGPT's train.py 
 
 Settings: the defaults below, then config files and --key=value flags in order; a resumed run keeps
 its checkpoint's, but those given. data/prepare.py prepares a dataset on first use, into
-data/<name>/.
-A run writes out_dir/ckpt.pt, log.jsonl (each evaluation) and train_log.jsonl (each iteration)
-through run_folder.RunFolder, which keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP stops a run,
+data/<name>/. A run writes out_dir/ckpt.pt, log.jsonl (each evaluation) and train_log.jsonl (each
+iteration) through run_folder.RunFolder, which keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP stops a run,
 saying where a resume starts. eval_char.py evaluates, samples from and plots the runs.
 
 The reading path, the files that hold the model and its training: this file, damcha_torch.py (the
@@ -239,6 +238,7 @@ def train(cfg, given, run, attentions):
     """A training run, top to bottom as nanoGPT's train.py: settings and run folder, this process,
     data, model, optimizer, then the loop. run: the RunFolder of out_dir; attentions: the classes
     of attn names beyond the book's (the lab's), by name."""
+    # settings and the run folder: a new run refuses a folder that holds another run's files
     ddp = 'RANK' in os.environ   # started by torchrun: one process per GPU
     rank, local_rank, world = ((int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
                                if ddp else (0, 0, 1))
@@ -287,10 +287,9 @@ def train(cfg, given, run, attentions):
               + textwrap.indent(textwrap.fill(' '.join(f'{k}={v!r}' for k, v in cfg.items()), 100,
                                               break_long_words=False), '  '))
         if cfg['decay_lr'] and cfg['lr_decay_iters'] != cfg['max_iters']:
-            print(f"note: lr_decay_iters={cfg['lr_decay_iters']} is not "
-                  f"max_iters={cfg['max_iters']}: "
-                  "the rate stays at min_lr from lr_decay_iters on (--lr_decay_iters sets it)",
-                  file=sys.stderr)
+            print(f"note: lr_decay_iters={cfg['lr_decay_iters']} is not max_iters="
+                  f"{cfg['max_iters']}: the rate stays at min_lr from lr_decay_iters on "
+                  "(--lr_decay_iters sets it)", file=sys.stderr)
 
     # the model, the optimizer and the generator of the training rows, as the checkpoint left them
     torch.manual_seed(cfg['seed'] + rank)
