@@ -13,8 +13,8 @@ train_char.py: train character-level DAMCHA and MHA GPTs, as nanoGPT's train.py 
 Settings: the defaults below, then config files and --key=value flags in order; a resumed run keeps
 its checkpoint's, but those given. data/prepare.py prepares a dataset on first use, into
 data/<name>/. A run writes out_dir/ckpt.pt, log.jsonl (each evaluation) and train_log.jsonl (each
-iteration) through run_folder.RunFolder, which keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP stops a run,
-saying where a resume starts. eval_char.py evaluates, samples from and plots the runs.
+iteration) through run_folder.RunFolder, which keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP
+stops a run, saying where a resume starts. eval_char.py evaluates, samples from and plots the runs.
 
 The reading path, the files that hold the model and its training: this file, damcha_torch.py (the
 model), run_folder.py, checkpoint.py, configurator.py, device.py, shell.py, data/dataset.py and
