@@ -119,7 +119,9 @@ class Generator(nn.ModuleList):
     def __getitem__(self, idx):
         # ModuleList rebuilds a slice as its own class, which takes a config, not layers: a slice
         # (gen[:-1], the hidden layers) is a plain ModuleList of the same layers
-        return nn.ModuleList(list(self)[idx]) if isinstance(idx, slice) else super().__getitem__(idx)
+        if isinstance(idx, slice):
+            return nn.ModuleList(list(self)[idx])
+        return super().__getitem__(idx)
 
     def forward(self, u):
         H = self.config.n_head
@@ -161,9 +163,8 @@ def init_residual(linear, config):
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention (Eqs. 5-8). An attention module is built as cls(config) and called as attn(u, m):
-# u (B, T, D) the normalised layer input, m the stack's shared metrics or None; it returns
-# (B, T, D), and init_weights() sets its own start (see the function init_weights).
+# Attention (Eqs. 5-8): the two classes GPT builds h.{l}.attn from (GPT's docstring says what
+# another class it is given must do)
 
 class MetricQuery(torch.autograd.Function):
     """Eq. 5 for per-token metrics, q_t = x_t m_t: x (B, T, H, dh), m (B, T, H, dh, dh) ->
@@ -205,6 +206,7 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, D)))  # Eq. 8
 
     def init_weights(self):
+        """Its start after init_weights' N(0, 0.02) for every Linear: c_proj as a residual's."""
         init_residual(self.c_proj, self.config)
 
 
@@ -262,6 +264,8 @@ class DamchaAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, H * dh)))   # Eq. 8
 
     def init_weights(self):
+        """Its start after init_weights' N(0, 0.02) for every Linear: its own static metric
+        N(0, 0.02), if it has one; c_proj as a residual's."""
         if not self.config.share and not self.config.adaptive:
             nn.init.normal_(self.metric, mean=0.0, std=0.02)
         init_residual(self.c_proj, self.config)
@@ -343,11 +347,16 @@ PEAK_FLOPS = 989e12   # dense bfloat16 FLOP/s of one H100 / H200 SXM GPU: estima
 
 
 class GPT(nn.Module):
-    """The GPT of docs/model.md. attention: the class of every block's attention h.{l}.attn, the
-    model's one extension point (the lab's attentions, lab/variants.py, come in here); None: the
-    book's, DamchaAttention or CausalSelfAttention as config.attn says ("damcha" or "mha"). With
-    a class config.attn only names it. A subclass of DamchaAttention shares the stack's metric
-    when config.share. An attention's interface is the comment above MetricQuery's."""
+    """The GPT of docs/model.md, nanoGPT's with DAMCHA attention.
+
+    attention, the model's one extension point: the class of every block's attention h.{l}.attn
+    (the lab's come in here, lab/variants.py); None: the book's, DamchaAttention or
+    CausalSelfAttention as config.attn says ("damcha" or "mha"). Given a class, config.attn only
+    names it. The class is built as attention(config); attn(u, m) maps the normalised layer
+    input u (B, T, D) and the stack's shared metrics m (or None) to (B, T, D); attn.init_weights()
+    sets its start once init_weights has drawn every Linear weight N(0, 0.02) (at least its
+    residual projection, init_residual). A subclass of DamchaAttention shares the stack's metric
+    when config.share."""
 
     def __init__(self, config, attention=None):
         super().__init__()

@@ -170,7 +170,7 @@ class SetModel(nn.Module):
         self.h = nn.ModuleList([Block(config, attention) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.head = nn.Linear(config.n_embd, n_out)
-        if config.attn == "damcha":                                  # model_config's: adaptive, shared
+        if config.attn == "damcha":                                  # adaptive and shared
             self.gen = Generator(config)                             # as in GPT
         init_weights(self)                                           # GPT's init
 

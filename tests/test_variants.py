@@ -238,15 +238,18 @@ SEEDED = {
     "damcha": (dict(), "248c7959059461e2", 0.0130846500),
     "damcha-unshared": (dict(share=False), "5d0164d7669ab04e", 0.4975915551),
     "damcha-static": (dict(adaptive=False), "35c4051ce3cdfe0d", 0.7553913593),
-    "damcha-static-unshared-identity": (dict(adaptive=False, share=False, gen_out="folded",
-                                             metric_init="identity"), "f3e22665595b108e", 0.7553913593),
-    "damcha-static-folded-nobias": (dict(gen_out="folded", mlp_hidden=5, bias=False, adaptive=False),
-                                    "e9705f501e4d6b4b", 0.2895923257),
-    "damcha-offdiag-identity": (dict(blocks="offdiag", metric_init="identity"), "6aadd6ef77a6c297",
-                                0.0130846500),
-    "proj": (dict(attn="proj", metric_init="identity", mlp_hidden=7), "374d817edaff7780", 0.5683641434),
-    "proj-unshared-static": (dict(attn="proj", share=False, adaptive=False), "c05c76d82439ea19",
-                             0.5111516118),
+    "damcha-static-unshared-identity": (
+        dict(adaptive=False, share=False, gen_out="folded", metric_init="identity"),
+        "f3e22665595b108e", 0.7553913593),
+    "damcha-static-folded-nobias": (
+        dict(gen_out="folded", mlp_hidden=5, bias=False, adaptive=False),
+        "e9705f501e4d6b4b", 0.2895923257),
+    "damcha-offdiag-identity": (
+        dict(blocks="offdiag", metric_init="identity"), "6aadd6ef77a6c297", 0.0130846500),
+    "proj": (
+        dict(attn="proj", metric_init="identity", mlp_hidden=7), "374d817edaff7780", 0.5683641434),
+    "proj-unshared-static": (
+        dict(attn="proj", share=False, adaptive=False), "c05c76d82439ea19", 0.5111516118),
     "tha": (dict(attn="tha"), "6b8a6e2fce569eea", 0.2833229303),
     "dcmha": (dict(attn="dcmha"), "90100b2d4d40b092", 0.8658006787),
     "dcmha-nobias": (dict(attn="dcmha", bias=False), "8d4c9614c479a1dd", 0.5009523630),
