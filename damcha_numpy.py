@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from configurator import configure, die   # the settings parser of every script; no torch
+from configurator import configure   # the settings parser of every script; no torch
+from shell import die                 # one-line errors, as every script gives them
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """
 baselines.py: the attention baselines that DAMCHA is compared against besides MHA, both multi-head
-attention whose heads are mixed before and after the softmax. lab/variants.py registers them, so
-that damcha_torch builds them for GPTConfig(attn="tha") and GPTConfig(attn="dcmha"); they use
-MHA's c_attn (rows [q; k; v]) and c_proj, so with the mixing at the identity they are MHA
-(tests/test_baselines.py):
+attention whose heads are mixed before and after the softmax: ComposedAttention, the attention
+class that damcha_torch.GPT takes for GPTConfig(attn="tha") and GPTConfig(attn="dcmha")
+(lab/variants.ATTENTIONS). They use MHA's c_attn (rows [q; k; v]) and c_proj, so with the
+mixing at the identity they are MHA (tests/test_baselines.py):
 
   "tha"    Talking-Heads attention (Shazeer et al. 2020): a learned H x H matrix mixes the heads'
            logits before the softmax and another mixes their probabilities after it. Stored as
@@ -22,17 +22,20 @@ MHA's c_attn (rows [q; k; v]) and c_proj, so with the mixing at the identity the
 
 Both materialise the (B, H, T, T) logits and probabilities, which F.scaled_dot_product_attention
 does not expose: their activation memory grows as T^2. damcha_numpy.py has "damcha" and "mha" only.
-Their initialisation is GPT's (damcha_torch.init_weights), which calls init_extra for their own.
+Their initialisation is GPT's (damcha_torch.init_weights), which calls their init_weights for
+what they own beyond the Linear weights.
 
-    import lab.variants
-    from damcha_torch import GPT, GPTConfig
-    model = GPT(GPTConfig(attn="dcmha"))
+    from damcha_torch import GPTConfig
+    from lab.variants import build
+    model = build(GPTConfig(attn="dcmha"))
 """
 import math
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+from damcha_torch import init_residual
 
 
 DCMHA_RANK = 2             # R, the rank of DCMHA's query-wise and key-wise compositions
@@ -82,13 +85,15 @@ class ComposedAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.config = config
 
-    def init_extra(self):
+    def init_weights(self):
         """Called by GPT's init_weights after every Linear is N(0, 0.02): THA's mixes stay zero as
         built; DCMHA's dyn_proj is N(0, 0.02) and its gates dyn_gate zero (tanh(0) = 0: the
-        compositions start near the identity, i.e. near MHA, and every weight has a gradient)."""
+        compositions start near the identity, i.e. near MHA, and every weight has a gradient);
+        c_proj starts as every residual projection."""
         if self.config.attn == "dcmha":
             nn.init.normal_(self.dyn_proj, mean=0.0, std=0.02)
             nn.init.zeros_(self.dyn_gate.weight)
+        init_residual(self.c_proj, self.config)
 
     def forward(self, u, m=None):
         """u (B, T, D), the normalised layer input; m unused (DAMCHA's metrics). Returns y (B, T, D)."""

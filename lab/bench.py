@@ -65,9 +65,10 @@ if ROOT not in sys.path:   # run as a file (python lab/bench.py): the book's mod
 
 import damcha_numpy
 from configurator import configure
+from damcha_torch import GPTConfig, MetricQuery
 from shell import die
-from damcha_torch import GPT, GPTConfig, MetricQuery, compute_metric
 from lab.counts import count_params, equal_params_width, estimate_mfu
+from lab.variants import build
 
 DEFAULTS = dict(quick=False, memory=False, device="cpu", dtype="auto", repeats=0, batch_size=16, block_size=64,
                 n_layer=4, n_head=4, n_embd=128, vocab_size=65, gen_depth=2, gen_out="folded", sweep_batch=4)
@@ -91,7 +92,7 @@ def trainer(fields, batch_size, device, dtype):
     """-> (model, a function running one train step on a fixed batch of random tokens)"""
     torch.manual_seed(0)
     config = GPTConfig(**fields)
-    model = GPT(config).to(device)
+    model = build(config).to(device)
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device)
     idx = torch.randint(config.vocab_size, (batch_size, config.block_size), device=device)
 
@@ -226,12 +227,12 @@ def cost_breakdown(fields, batch_size, device, dtype, repeats):
     B, T, D, H, L = batch_size, config.block_size, config.n_embd, config.n_head, config.n_layer
     dh = D // H
     torch.manual_seed(0)
-    model = GPT(config).to(device)
+    model = build(config).to(device)
     qk = torch.nn.Linear(D, 2 * D).to(device)
     rand = lambda *shape: torch.randn(*shape, device=device)
     u, xs = rand(B, T, D).requires_grad_(), [rand(B, T, H, dh).requires_grad_() for _ in range(L)]
     dm, dqs, dqks = rand(B, T, H, dh, dh), [rand(B, T, H, dh) for _ in range(L)], [rand(B, T, 2 * D) for _ in range(L)]
-    m = compute_metric(model, u, config).detach().requires_grad_()
+    m = model.gen(u).detach().requires_grad_()
     heads = [rand(B, H, T, dh).requires_grad_() for _ in range(3 * L)]
 
     def metric():
@@ -244,7 +245,7 @@ def cost_breakdown(fields, batch_size, device, dtype, repeats):
     def mha_qk():
         torch.autograd.backward([qk(u) for _ in range(L)], dqks)
 
-    parts = dict(generator=lambda: compute_metric(model, u, config).backward(dm), metric=metric,
+    parts = dict(generator=lambda: model.gen(u).backward(dm), metric=metric,
                  attention=attention, mha_qk=mha_qk)
     with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
         times = time_alternately(parts, repeats, device)
@@ -259,7 +260,7 @@ def numpy_vs_torch(repeats):
     np_config = damcha_numpy.GPTConfig(**NUMPY_FIELDS)
     params = damcha_numpy.init_params(np_config, seed=0)
     idx = np.random.default_rng(0).integers(0, np_config.vocab_size, (NUMPY_BATCH, np_config.block_size))
-    model = GPT(GPTConfig(**NUMPY_FIELDS)).double()
+    model = build(GPTConfig(**NUMPY_FIELDS)).double()
     model.load_state_dict({k: torch.tensor(v) for k, v in params.items()})
     tidx = torch.tensor(idx)
 

@@ -11,9 +11,9 @@ import functools
 
 import torch
 
-import lab.variants  # noqa: F401  (registers "tha", "dcmha", "proj": the counts take every attn)
-from damcha_torch import GPT, GPTConfig, shares_metric
+from damcha_torch import GPTConfig
 from lab.baselines import mixing_macs
+from lab.variants import build
 
 # Dense peak FLOP/s of one H100 / H200 SXM (the same Hopper tensor cores): 16-bit, TF32 (the
 # float32 matmuls when TF32 is allowed), and IEEE float32 on the CUDA cores
@@ -21,7 +21,8 @@ PEAK_FLOPS = {"bfloat16": 989e12, "float16": 989e12, "tf32": 494.5e12, "float32"
 
 
 def count_params(fields):
-    """GPT.get_num_params of GPTConfig(**fields), built on the meta device: shapes, no memory."""
+    """GPT.get_num_params of GPTConfig(**fields), any attn (lab/variants.build), built on the meta
+    device: shapes, no memory."""
     return _count(tuple(sorted(fields.items())))
 
 
@@ -29,7 +30,7 @@ def count_params(fields):
 def _count(items):
     # cached: equal_params_width asks for the same counts again and again
     with torch.device("meta"):
-        return GPT(GPTConfig(**dict(items))).get_num_params()
+        return build(GPTConfig(**dict(items))).get_num_params()
 
 
 def equal_params_width(target, fields, field="gen_width"):
@@ -54,7 +55,7 @@ def flops_per_token(config):
     the metric generator and the metric application q_i = x_i m_i (Eq. 5), or the baselines'
     head mixing. Attention is causal: a query at t meets t + 1 keys, T / 2 on average, so the
     per-pair terms count half of the full T x T. gen_out="full" runs folded
-    (damcha_torch.generator_forward), so both outputs count the generator's last layer as
+    (damcha_torch.Generator), so both outputs count the generator's last layer as
     w*H*dh*dh per token; folding the weights (D*D*w adds per pass) is left out."""
     D, L, T, H = config.n_embd, config.n_layer, config.block_size, config.n_head
     dh = D // H
@@ -71,7 +72,7 @@ def flops_per_token(config):
     generator = 0
     if config.attn in ("damcha", "proj") and config.adaptive:
         sizes = [D] + [config.gen_width] * (config.gen_depth - 1) + [D * dh]   # the last layer as it runs: folded
-        generator = sum(a * b for a, b in zip(sizes, sizes[1:])) * (1 if shares_metric(config) else L)
+        generator = sum(a * b for a, b in zip(sizes, sizes[1:])) * (1 if config.share else L)
     return 6 * (L * per_layer + generator + D * config.vocab_size)   # + tied lm_head
 
 

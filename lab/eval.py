@@ -1,5 +1,5 @@
 """
-eval.py: the book's eval_char.py with the lab's attentions registered (lab/variants.py), for the
+eval.py: the book's eval_char.py given the lab's attentions (lab/variants.ATTENTIONS), for the
 checkpoints of lab/train.py: every eval_char.py setting and mode.
 
     python lab/eval.py --out_dir=out-proj                  # bpc of the whole val split
@@ -12,8 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repos
 if ROOT not in sys.path:   # run as a file (python lab/eval.py): the book's modules are in the root
     sys.path.insert(0, ROOT)
 
-import lab.variants  # noqa: F401  (registers the lab's attentions)
 import eval_char
+from lab.variants import ATTENTIONS
 
 if __name__ == '__main__':
-    eval_char.main(sys.argv[1:])
+    eval_char.main(sys.argv[1:], attentions=ATTENTIONS)

@@ -47,7 +47,7 @@ same function class as "full": RowSum is linear), P = 2; its width w is lab/coun
 so that DAMCHA and MHA have equal parameter counts (within 5%; checked, and recorded per row).
 
 Training: AdamW (damcha_torch.configure_optimizers: lr 3e-3, weight decay 0.01 on the matrices,
-betas (0.9, 0.99)), cosine decay to 10% (damcha_torch.get_lr, no warm-up), batch 64,
+betas (0.9, 0.99)), cosine decay to 10% (train_char.get_lr, no warm-up), batch 64,
 `steps` steps on a fixed training set of 16384 samples, 2048 fresh test samples. Each seed draws
 the teacher, the data and the initialisation; DAMCHA and MHA see the same data (paired), and the
 relative gain of a seed is (MSE_mha - MSE_damcha) / MSE_mha (positive: DAMCHA better).
@@ -74,9 +74,11 @@ if ROOT not in sys.path:   # run as a file (python lab/synthetic.py): the book's
     sys.path.insert(0, ROOT)
 
 from configurator import configure
+from damcha_torch import (Block, CausalSelfAttention, DamchaAttention, Generator, GPTConfig,
+                          configure_optimizers, init_weights)
 from run_folder import to_json
 from shell import die
-from damcha_torch import Block, GPTConfig, add_metric, configure_optimizers, get_lr, init_weights, shares_metric, stack_forward
+from train_char import get_lr
 from lab.counts import count_params, equal_params_width
 
 H = 4                                    # subspaces = heads
@@ -166,15 +168,19 @@ class SetModel(nn.Module):
     def __init__(self, config, n_out):
         super().__init__()
         self.config = config
-        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        attention = DamchaAttention if config.attn == "damcha" else CausalSelfAttention
+        self.h = nn.ModuleList([Block(config, attention) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.head = nn.Linear(config.n_embd, n_out)
-        if shares_metric(config):
-            add_metric(self, config)                                 # self.gen, as in GPT
-        init_weights(self, config.n_layer)                           # GPT's init
+        if config.attn == "damcha":                                  # adaptive and shared
+            self.gen = Generator(config)                             # as in GPT
+        init_weights(self)                                           # GPT's init
 
     def forward(self, x):
-        x = stack_forward(self, x)                                   # GPT's stack (B, T, D)
+        """x (B, T, D) -> (B, n_out): GPT's stack, its shared generator run on layer 0's input."""
+        m = self.gen(self.h[0].ln_1(x)) if self.config.attn == "damcha" else None
+        for block in self.h:
+            x = block(x, m)                                          # (B, T, D)
         return self.head(self.ln_f(x[:, -1]))                        # (B, n_out)
 
 

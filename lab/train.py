@@ -1,5 +1,5 @@
 """
-train.py: the book's trainer, train_char.py, with the lab's attentions registered (lab/variants.py):
+train.py: the book's trainer, train_char.py, given the lab's attentions (lab/variants.ATTENTIONS):
 every train_char.py setting, and attn may also be "tha", "dcmha" or "proj".
 
     python lab/train.py --attn=proj --metric_init=identity --mlp_hidden=385 --out_dir=out-proj
@@ -12,8 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repos
 if ROOT not in sys.path:   # run as a file (python lab/train.py): the book's modules are in the root
     sys.path.insert(0, ROOT)
 
-import lab.variants  # noqa: F401  (registers the lab's attentions)
 import train_char
+from lab.variants import ATTENTIONS
 
 if __name__ == '__main__':
-    train_char.main(sys.argv[1:])
+    train_char.main(sys.argv[1:], attentions=ATTENTIONS)

@@ -1,34 +1,57 @@
 """
-variants.py: the lab's attentions, added to the book's damcha_torch.ATTENTION when this module is
-imported, so that GPTConfig(attn=...) builds them and the book's trainer trains them
-(python lab/train.py, python lab/eval.py):
+variants.py: the lab's attentions, by the names GPTConfig.attn gives them, and the GPT of any
+attn name. Each is a class that damcha_torch.GPT takes as its `attention` (the book's extension
+point); the lab's trainer and evaluator (python lab/train.py, python lab/eval.py) hand ATTENTIONS
+to the book's:
 
   "tha", "dcmha"  Talking-Heads and DCMHA, the baselines of lab/baselines.py
   "proj"          the 2x2 study's projected adaptive metric: DAMCHA's metric on MHA's projections,
                   q_i = (u W_q^T)_i m_i, k_i = (u W_k^T)_i, v from MHA's c_attn (rows [q; k; v]).
                   With m_i = I it is MHA (tests/test_variants.py)
 
-    import lab.variants
-    from damcha_torch import GPT, GPTConfig
-    model = GPT(GPTConfig(attn="proj", metric_init="identity"))
+    from damcha_torch import GPTConfig
+    from lab.variants import build
+    model = build(GPTConfig(attn="proj", metric_init="identity"))
 """
 import torch.nn as nn
 
-from damcha_torch import ATTENTION, DamchaAttention
+from damcha_torch import GPT, DamchaAttention, Generator, static_metric
 from lab.baselines import ComposedAttention
 
 
 class ProjectedAttention(DamchaAttention):
     """attn="proj": DAMCHA attention whose head inputs are MHA's projections. The metric (shared,
     per layer or static, as GPTConfig says) acts on the projected query: x_i = (u W_q^T)_i, and
-    the keys are (u W_k^T)_i."""
+    the keys are (u W_k^T)_i. Its modules are DAMCHA's with MHA's c_attn in place of c_v, built
+    in that order (so a seed draws the weights it always drew)."""
 
-    def add_projections(self, config):
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)   # rows [q; k; v], as MHA's
+    def __init__(self, config):
+        nn.Module.__init__(self)                                     # not DAMCHA's c_v
+        D = config.n_embd
+        self.c_attn = nn.Linear(D, 3 * D, bias=config.bias)          # rows [q; k; v], as MHA's
+        if not config.share:                                         # this layer's own
+            if config.adaptive:
+                self.gen = Generator(config)
+            else:
+                self.metric = static_metric(config)
+        self.c_proj = nn.Linear(D, D, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.config = config
 
-    def heads(self, u):
+    def forward(self, u, m=None):
+        """u (B, T, D), the normalised layer input; m: the stack's shared metrics, or None when
+        this layer owns its generator or static metric. -> (B, T, D)"""
+        if m is None:
+            m = self.own_metrics(u)
         B, T, D = u.size()
-        return tuple(a.view(B, T, self.config.n_head, D // self.config.n_head) for a in self.c_attn(u).split(D, dim=2))
+        H = self.config.n_head
+        x, k, v = (a.view(B, T, H, D // H) for a in self.c_attn(u).split(D, dim=2))
+        return self.attend(x, k, v, m)                               # Eqs. 5-8, DAMCHA's
 
 
-ATTENTION.update(tha=ComposedAttention, dcmha=ComposedAttention, proj=ProjectedAttention)
+ATTENTIONS = {"proj": ProjectedAttention, "tha": ComposedAttention, "dcmha": ComposedAttention}
+
+
+def build(config):
+    """The GPT of GPTConfig config, for any attn name: the book's ("damcha", "mha") or the lab's."""
+    return GPT(config, ATTENTIONS.get(config.attn))

@@ -1,7 +1,6 @@
 """
 tests/test_baselines.py: checks the attention baselines of lab/baselines.py, DCMHA and Talking-Heads,
-built by damcha_torch.GPT for GPTConfig(attn="dcmha") and GPTConfig(attn="tha") once lab/variants.py
-has registered them.
+the GPTs of GPTConfig(attn="dcmha") and GPTConfig(attn="tha") that lab/variants.build makes.
 
 Run: python -m pytest -q tests/test_baselines.py
 
@@ -9,7 +8,7 @@ Both are MHA with the heads mixed before and after the softmax. With the mixing 
 (THA's pre_mix and post_mix zero; DCMHA's dyn_proj and gates zero) a model's logits equal, in
 float64, those of the MHA model holding the same c_attn, c_proj, MLP, LayerNorm and embedding
 weights. One entry of THA's mixing does what the formula says, per head; DCMHA's composition equals
-a loop over the formula of issue 7, and each reads its own group of weights; the weights on later
+a loop over compose's formula, and each reads its own group of weights; the weights on later
 keys are exactly zero after the post-softmax mixing; both models are causal, decode
 incrementally as they compute in full, and send a gradient to every parameter from the start.
 Errors are relative to the largest entry: max |a - b| / max |b|.
@@ -22,11 +21,12 @@ import sys
 import pytest
 import torch
 
+import common
 from common import check_attention_dropout_is_its_own_setting, rel_err
-import lab.variants  # noqa: F401  (registers "tha" and "dcmha")
-from damcha_torch import GPT, GPTConfig
+from damcha_torch import GPTConfig
 from lab.baselines import DCMHA_RANK, ComposedAttention, compose
 from lab.counts import flops_per_token
+from lab.variants import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=3, n_embd=12)
@@ -42,7 +42,7 @@ def perturbed(config, seed=0, scale=0.3):
     """A float64 GPT with torch's initialisation moved by N(0, scale): every mixing is far from
     the identity and every weight far from zero."""
     torch.manual_seed(seed)
-    model = GPT(config).double()
+    model = build(config).double()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.randn_like(p))
@@ -60,7 +60,7 @@ def mixing_params(name):
 @pytest.mark.parametrize("attn", BASELINES)
 def test_shapes_and_parameter_count(attn, bias):
     config = GPTConfig(**TINY, attn=attn, bias=bias)
-    model, mha = GPT(config), GPT(GPTConfig(**TINY, attn="mha", bias=bias))
+    model, mha = build(config), build(GPTConfig(**TINY, attn="mha", bias=bias))
     logits, loss = model(tokens(config, (2, 8), 0), tokens(config, (2, 8), 1))
     assert logits.shape == (2, 8, 11) and loss.ndim == 0 and torch.isfinite(loss)
     D, H, L, R = config.n_embd, config.n_head, config.n_layer, DCMHA_RANK
@@ -81,11 +81,11 @@ def test_shapes_and_parameter_count(attn, bias):
     assert model.get_num_params() - mha.get_num_params() == L * per_layer
 
 
-def test_config_accepts_the_baselines_and_rejects_others():
+def test_build_makes_the_baselines_and_refuses_other_names():
     for attn in ("damcha", "mha", "dcmha", "tha"):
-        GPTConfig(attn=attn)
-    with pytest.raises(ValueError, match="attn must be one of 'damcha', 'mha', .*'tha', .*, not 'linear'"):
-        GPTConfig(attn="linear")
+        assert build(GPTConfig(**TINY, attn=attn)).config.attn == attn
+    with pytest.raises(ValueError, match="attn must be 'damcha' or 'mha', not 'linear'"):
+        build(GPTConfig(**TINY, attn="linear"))
 
 
 def test_flops_count_the_head_mixing():
@@ -97,17 +97,18 @@ def test_flops_count_the_head_mixing():
 
 
 def test_the_book_knows_only_its_own_attentions():
-    """damcha_torch alone (a fresh process, without lab/variants.py) refuses the lab's attentions in one line."""
-    code = "from damcha_torch import GPTConfig\nGPTConfig(attn='dcmha')"
+    """damcha_torch alone (a fresh process, without the lab) refuses to build the lab's attentions
+    from their names, in one line: they come as GPT's attention class."""
+    code = "from damcha_torch import GPT, GPTConfig\nGPT(GPTConfig(attn='dcmha'))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert "ValueError: attn must be one of 'damcha', 'mha', not 'dcmha'" in done.stderr
+    assert "ValueError: attn must be 'damcha' or 'mha', not 'dcmha'" in done.stderr
 
 
 @pytest.mark.parametrize("attn", BASELINES)
 def test_compiles_as_one_graph(attn):
     """torch.compile traces forward and backward without a graph break (backend="eager": the trace is what is checked)."""
     torch._dynamo.reset()
-    model = GPT(GPTConfig(**dict(TINY, n_layer=3), attn=attn))
+    model = build(GPTConfig(**dict(TINY, n_layer=3), attn=attn))
     idx = tokens(model.config, (2, 8), 19)
     logits, loss = torch.compile(model, backend="eager", fullgraph=True)(idx, idx)
     loss.backward()
@@ -115,15 +116,16 @@ def test_compiles_as_one_graph(attn):
 
 
 @pytest.mark.parametrize("attn", BASELINES)
-def test_attention_dropout_is_its_own_setting(attn):
+def test_attention_dropout_is_its_own_setting(attn, monkeypatch):
+    monkeypatch.setattr(common, "GPT", lambda config: build(config))   # the helper's GPT, any attn
     check_attention_dropout_is_its_own_setting(TINY, attn)
 
 
 @pytest.mark.parametrize("attn", BASELINES)
 def test_built_from_their_own_module_with_the_mha_keys(attn):
-    model = GPT(GPTConfig(**TINY, attn=attn))
+    model = build(GPTConfig(**TINY, attn=attn))
     assert all(isinstance(block.attn, ComposedAttention) for block in model.h)
-    mha_keys = GPT(GPTConfig(**TINY, attn="mha")).state_dict().keys()
+    mha_keys = build(GPTConfig(**TINY, attn="mha")).state_dict().keys()
     assert mha_keys <= model.state_dict().keys()
 
 
@@ -152,8 +154,8 @@ def test_dcmha_starts_near_mha():
     """At initialisation DCMHA's gates are zero and its low-rank terms small: its logits stay
     within a few percent of the MHA model with the same other weights."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**TINY, attn="dcmha")).double()
-    mha = GPT(GPTConfig(**TINY, attn="mha")).double()
+    model = build(GPTConfig(**TINY, attn="dcmha")).double()
+    mha = build(GPTConfig(**TINY, attn="mha")).double()
     model.load_state_dict(mha.state_dict(), strict=False)
     idx = tokens(mha.config, (3, 8), 4)
     attn = model.h[0].attn
@@ -208,7 +210,7 @@ def test_dynamic_weights_are_normalised_and_gated():
 def test_talking_heads_mixes_head_1_into_head_0(where):
     """With one entry [0, 1] = 1 of THA's mixing (the other zero), head 0 adds head 1's logits
     (pre_mix) or probabilities (post_mix) to its own, written out per head; the other heads are MHA's."""
-    module = GPT(GPTConfig(**TINY, attn="tha")).double().h[0].attn
+    module = build(GPTConfig(**TINY, attn="tha")).double().h[0].attn
     with torch.no_grad():
         getattr(module, where)[0, 1] = 1.0
     g = torch.Generator().manual_seed(11)
@@ -268,7 +270,7 @@ def test_causal(attn):
 def test_every_parameter_gets_a_gradient_at_init(attn):
     torch.manual_seed(0)
     config = GPTConfig(**TINY, attn=attn)
-    model = GPT(config)
+    model = build(config)
     _, loss = model(tokens(config, (4, 8), 13), tokens(config, (4, 8), 14))
     loss.backward()
     for name, p in model.named_parameters():
@@ -278,7 +280,7 @@ def test_every_parameter_gets_a_gradient_at_init(attn):
 @pytest.mark.parametrize("attn", BASELINES)
 def test_bf16_autocast_cpu(attn):
     config = GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=4, n_embd=64, attn=attn)
-    model = GPT(config)
+    model = build(config)
     idx = tokens(config, (2, 32), 15)
     logits, loss = model(idx, idx)
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from damcha_torch import GPT, GPTConfig
+from damcha_torch import GPTConfig
 from lab import bench, counts
+from lab.variants import build
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=16)
@@ -49,7 +50,7 @@ def test_equal_params_width_needs_a_width_to_trade():
 def test_count_params_is_get_num_params():
     for fields in (dict(TINY, attn="mha"), dict(TINY), dict(TINY, share=False, gen_out="folded"),
                    dict(TINY, attn="proj", mlp_hidden=7), dict(TINY, attn="dcmha"), dict(TINY, attn="tha")):
-        assert counts.count_params(fields) == GPT(GPTConfig(**fields)).get_num_params(), fields
+        assert counts.count_params(fields) == build(GPTConfig(**fields)).get_num_params(), fields
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """synthetic.py: the synthetic tasks have the structure its docstring states (and the formulas,
 written out entry by entry), train and test samples are distinct, the summary's gains are paired
-by seed, the models are at equal parameter count, a tiny training run gives finite numbers, and
-the committed sweep is complete.
+by seed, the models are at equal parameter count and a seed draws the weights it always drew, a
+tiny training run gives finite numbers, and the committed sweep is complete.
 
     python -m pytest -q tests/test_synthetic.py
 """
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -250,3 +251,21 @@ def test_set_model_has_gpts_initialisation():
     assert abs(params["gen.1.weight"].std().item() / 0.02 - 1) < 0.05
     assert all(torch.equal(p, torch.zeros_like(p)) for name, p in params.items()
                if name.endswith("bias") and "ln" not in name)
+
+
+# state_dict digests (sha256 of keys and bytes, first 16 hex digits) of SetModel(model_config(attn,
+# 8, 2), 4) after torch.manual_seed(0), and the next torch.rand(1), as the code before GPT took an
+# attention class drew them: the committed sweep's models are drawn as they were
+SEEDED = {"mha": ("c34471e5a163b036", 0.9066072702), "damcha": ("778bd429b2f3f238", 0.6153969169)}
+
+
+@pytest.mark.parametrize("attn", SEEDED)
+def test_a_seed_draws_the_model_it_always_drew(attn):
+    torch.manual_seed(0)
+    model = syn.SetModel(syn.model_config(attn, 8, 2), 4)
+    h = hashlib.sha256()
+    for k, v in model.state_dict().items():
+        h.update(k.encode())
+        h.update(v.contiguous().numpy().tobytes())
+    digest, next_draw = SEEDED[attn]
+    assert (h.hexdigest()[:16], f"{torch.rand(1).item():.10f}") == (digest, f"{next_draw:.10f}")

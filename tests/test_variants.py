@@ -1,6 +1,6 @@
 """
-tests/test_variants.py: the 2x2 study's model variants (issue 15): the book's GPTConfig fields
-metric_init and mlp_hidden, and the lab's attention "proj" (lab/variants.py).
+tests/test_variants.py: the 2x2 study's model variants: the book's GPTConfig fields metric_init
+and mlp_hidden, and the lab's attention "proj" (lab/variants.py); GPT's attention class.
 
     python -m pytest -q tests/test_variants.py
 
@@ -10,17 +10,20 @@ metric_init and mlp_hidden, and the lab's attention "proj" (lab/variants.py).
 In float64: the GPT equals a loop implementation of each formula (the projected attention is
 written out below; the rest comes from tests/spec_reference.py), attn="proj" with m = I equals
 MHA exactly, the own-slice static identity metric equals MHA with W_q = W_k = I; causality;
-parameter matching within 2% at train_char's default model; defaults unchanged.
+parameter matching within 2% at train_char's default model; defaults unchanged; attn names the
+class GPT is given; a seed draws the same weights for every attn, the book's and the lab's.
 """
+
+import hashlib
 
 import numpy as np
 import pytest
 import torch
 
 from common import rel_err
-import lab.variants  # noqa: F401  (registers attn="proj")
-from damcha_torch import GPT, GPTConfig, compute_metric
+from damcha_torch import GPT, GPTConfig, static_metrics
 from lab.counts import count_params, equal_params_width, flops_per_token
+from lab.variants import ATTENTIONS, ProjectedAttention, build
 from spec_reference import _causal_heads, _gelu, _layernorm, _linear, _metrics, reference_forward
 
 TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, gen_width=6)
@@ -31,7 +34,7 @@ PROJ_IDS = ["-".join(f"{k}={v}" for k, v in p.items()) for p in PROJ]
 
 def random_model(config, seed):
     """A float64 GPT with every parameter random: weights N(0, 0.3), LayerNorm gains near 1."""
-    model = GPT(config).double()
+    model = build(config).double()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -105,7 +108,7 @@ def test_static_per_layer_with_mlp_hidden_matches_spec_reference(gen_out):
 
 def mha_twin(model, config):
     """An MHA GPT holding every weight of `model` that MHA has (the metric and generator aside)."""
-    mha = GPT(GPTConfig(**{**vars(config), "attn": "mha"})).double()
+    mha = build(GPTConfig(**{**vars(config), "attn": "mha"})).double()
     mha.load_state_dict({k: v for k, v in model.state_dict().items() if k in mha.state_dict()}, strict=True)
     return mha
 
@@ -120,7 +123,7 @@ def test_proj_with_identity_metric_is_mha(share, gen_out):
             if name.endswith(f"gen.{config.gen_depth - 1}.weight"):
                 p.zero_()
             elif name.endswith(f"gen.{config.gen_depth - 1}.bias"):
-                p.copy_(GPT(config).state_dict()[name])
+                p.copy_(build(config).state_dict()[name])
     idx = tokens(config, (2, 8), 0)
     assert torch.equal(model(idx)[0], mha_twin(model, config)(idx)[0])
 
@@ -131,10 +134,10 @@ def test_own_slice_static_identity_is_mha_with_identity_projections(gen_out):
     config = GPTConfig(**TINY, adaptive=False, share=False, gen_out=gen_out, metric_init="identity")
     model = random_model(config, 4)
     D = config.n_embd
-    mha = GPT(GPTConfig(**{**vars(config), "attn": "mha"})).double()
+    mha = build(GPTConfig(**{**vars(config), "attn": "mha"})).double()
     state = {k: v for k, v in model.state_dict().items() if k in mha.state_dict()}
     for l in range(config.n_layer):
-        model.h[l].attn.metric.data.copy_(GPT(config).h[l].attn.metric)   # the identity init
+        model.h[l].attn.metric.data.copy_(build(config).h[l].attn.metric)   # the identity init
         state[f"h.{l}.attn.c_attn.weight"] = torch.cat([torch.eye(D, dtype=torch.float64)] * 2
                                                        + [model.h[l].attn.c_v.weight.data])
         state[f"h.{l}.attn.c_attn.bias"] = torch.cat([torch.zeros(2 * D, dtype=torch.float64),
@@ -154,12 +157,12 @@ def test_identity_init_gives_identity_metrics(variant):
     """m_i = I with every block or the diagonal ones; 0 with the off-diagonal ones (M_ij = 0, j != i)."""
     config = GPTConfig(**TINY, **variant)
     torch.manual_seed(0)
-    model = GPT(config)
+    model = build(config)
     if config.adaptive:   # the generator's last bias folds to I: with zero weights m = I everywhere
         model.gen[-1].weight.data.zero_()
-        m = compute_metric(model, torch.randn(1, 3, config.n_embd), config)
+        m = model.gen(torch.randn(1, 3, config.n_embd))
     else:
-        m = compute_metric(model if config.share else model.h[1].attn, None, config)
+        m = static_metrics(model.metric if config.share else model.h[1].attn.metric, config)
     expected = torch.zeros(4, 4) if config.blocks == "offdiag" else torch.eye(4)
     assert torch.equal(m, expected.expand_as(m))
 
@@ -180,9 +183,9 @@ def test_defaults_unchanged():
     """mlp_hidden=0 is 4D, the same weights drawn in the same order; attn and metric_init default to the paper's model."""
     for fields in (dict(TINY), dict(TINY, attn="mha")):
         torch.manual_seed(0)
-        a = GPT(GPTConfig(**fields)).state_dict()
+        a = build(GPTConfig(**fields)).state_dict()
         torch.manual_seed(0)
-        b = GPT(GPTConfig(**fields, mlp_hidden=4 * TINY["n_embd"])).state_dict()
+        b = build(GPTConfig(**fields, mlp_hidden=4 * TINY["n_embd"])).state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert GPTConfig().attn == "damcha" and GPTConfig().metric_init == "normal"
 
@@ -208,8 +211,63 @@ def test_parameter_matching_within_2_percent():
     assert models[2]["mlp_hidden"] > 4 * 128 > models[3]["mlp_hidden"]   # static gains, proj gives width
 
 
-@pytest.mark.parametrize("bad", [dict(attn="both"), dict(metric_init="eye"), dict(mlp_hidden=-1),
+@pytest.mark.parametrize("bad", [dict(metric_init="eye"), dict(mlp_hidden=-1),
                                  dict(attn="proj", kernel="triton"), dict(metric_init="identity", bias=False)])
 def test_config_rejects(bad):
     with pytest.raises(ValueError):
         GPTConfig(**bad)
+
+
+def test_attn_names_the_attention_class():
+    """GPTConfig takes any attn name; GPT builds the book's two by name, another from its class
+    (GPT's attention, as lab/variants.build passes it), and refuses a name it has no class for."""
+    config = GPTConfig(**TINY, attn="proj")
+    with pytest.raises(ValueError, match="attention="):
+        GPT(config)
+    with pytest.raises(ValueError, match="'damcha' or 'mha'"):
+        GPT(GPTConfig(**TINY, attn="both"))
+    assert type(build(config).h[0].attn) is ATTENTIONS["proj"] is ProjectedAttention
+    assert set(ATTENTIONS) == {"proj", "tha", "dcmha"}
+
+
+# state_dict digests (sha256 of the keys and bytes, first 16 hex digits) of the models that
+# torch.manual_seed(0) draws, and the next torch.rand(1), as the code before GPT took an attention
+# class drew them: a seed still gives the same model for every attn.
+SEEDED = {
+    "mha": (dict(attn="mha"), "320e83b8cc2e38ef", 0.2833229303),
+    "damcha": (dict(), "248c7959059461e2", 0.0130846500),
+    "damcha-unshared": (dict(share=False), "5d0164d7669ab04e", 0.4975915551),
+    "damcha-static": (dict(adaptive=False), "35c4051ce3cdfe0d", 0.7553913593),
+    "damcha-static-unshared-identity": (
+        dict(adaptive=False, share=False, gen_out="folded", metric_init="identity"),
+        "f3e22665595b108e", 0.7553913593),
+    "damcha-static-folded-nobias": (
+        dict(gen_out="folded", mlp_hidden=5, bias=False, adaptive=False),
+        "e9705f501e4d6b4b", 0.2895923257),
+    "damcha-offdiag-identity": (
+        dict(blocks="offdiag", metric_init="identity"), "6aadd6ef77a6c297", 0.0130846500),
+    "proj": (
+        dict(attn="proj", metric_init="identity", mlp_hidden=7), "374d817edaff7780", 0.5683641434),
+    "proj-unshared-static": (
+        dict(attn="proj", share=False, adaptive=False), "c05c76d82439ea19", 0.5111516118),
+    "tha": (dict(attn="tha"), "6b8a6e2fce569eea", 0.2833229303),
+    "dcmha": (dict(attn="dcmha"), "90100b2d4d40b092", 0.8658006787),
+    "dcmha-nobias": (dict(attn="dcmha", bias=False), "8d4c9614c479a1dd", 0.5009523630),
+}
+
+
+def state_digest(module):
+    h = hashlib.sha256()
+    for k, v in module.state_dict().items():
+        h.update(k.encode())
+        h.update(v.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name", SEEDED)
+def test_a_seed_draws_the_weights_it_always_drew(name):
+    variant, digest, next_draw = SEEDED[name]
+    torch.manual_seed(0)
+    model = build(GPTConfig(**TINY, **variant))
+    assert state_digest(model) == digest
+    assert f"{torch.rand(1).item():.10f}" == f"{next_draw:.10f}"
