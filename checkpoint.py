@@ -37,13 +37,13 @@ def load_checkpoint(out_dir):
     return ckpt
 
 
-def resume(cfg, given, ranges, attention=None, keep=('mode', 'init_from', 'out_dir')):
+def resume(cfg, given, ranges, attentions, keep=('mode', 'init_from', 'out_dir')):
     """(settings, model fields, checkpoint) of a run resumed, or evaluated, from out_dir/ckpt.pt: its
-    settings overridden by those given, refused now if its weights no longer fit them (attention:
-    the class of h.{l}.attn, as GPT takes it)."""
+    settings overridden by those given, refused now if its weights no longer fit them (attentions:
+    {attn name: the class of h.{l}.attn} beyond the book's, as the scripts' main takes them)."""
     ckpt = load_checkpoint(cfg['out_dir'])
     cfg, model_args = from_checkpoint(ckpt, cfg, given, ranges, keep)
-    check_fit(model_args, ckpt, attention)
+    check_fit(model_args, ckpt, attentions.get(model_args['attn']))
     return cfg, model_args, ckpt
 
 

@@ -5,7 +5,7 @@ DAMCHA (arXiv 2610.13261) drops the query and key projections of multi-head atte
 MLP, the metric generator f, reads the causal prefix mean c of every position and outputs a
 D x D cross-head metric M(c); head i compares its own slice x_i of the layer input with itself
 through m_i = sum_j M_ij (RowSum). docs/model.md states the model; damcha_numpy.py is its NumPy
-reference with the same parameter names (tests/test_torch.py checks logits, loss and every
+reference with the same parameter names (tests/test_model.py checks logits, loss and every
 gradient against it in float64). attn="mha" is the baseline. What this file adds is speed: RowSum
 applied to the generator's weights (M is never built), SDPA or damcha_triton.py's fused kernel,
 and a shared generator run once per pass.

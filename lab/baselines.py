@@ -3,7 +3,7 @@ baselines.py: the attention baselines that DAMCHA is compared against besides MH
 attention whose heads are mixed before and after the softmax: ComposedAttention, the attention
 class that damcha_torch.GPT takes for GPTConfig(attn="tha") and GPTConfig(attn="dcmha")
 (lab/variants.ATTENTIONS). They use MHA's c_attn (rows [q; k; v]) and c_proj, so with the
-mixing at the identity they are MHA (tests/test_baselines.py):
+mixing at the identity they are MHA (tests/test_lab_baselines.py):
 
   "tha"    Talking-Heads attention (Shazeer et al. 2020): a learned H x H matrix mixes the heads'
            logits before the softmax and another mixes their probabilities after it. Stored as

@@ -7,7 +7,7 @@ to the book's:
   "tha", "dcmha"  Talking-Heads and DCMHA, the baselines of lab/baselines.py
   "proj"          the 2x2 study's projected adaptive metric: DAMCHA's metric on MHA's projections,
                   q_i = (u W_q^T)_i m_i, k_i = (u W_k^T)_i, v from MHA's c_attn (rows [q; k; v]).
-                  With m_i = I it is MHA (tests/test_variants.py)
+                  With m_i = I it is MHA (tests/test_lab_variants.py)
 
     from damcha_torch import GPTConfig
     from lab.variants import build

@@ -185,7 +185,7 @@ class MetricSizedOutputs(TorchDispatchMode):
 def check_attention_dropout_is_its_own_setting(fields, attn):
     """With every nn.Dropout module (embedding, residual, MLP) switched off, a model of these
     fields in training mode computes its eval-mode function when attn_dropout is 0, and another
-    one when it is not (tests/test_torch.py for the book's attentions, test_baselines.py for the lab's)."""
+    one when it is not (tests/test_model.py for the book's attentions, test_lab_baselines.py for the lab's)."""
     idx = torch.randint(fields["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(18))
     outputs = {}
     for attn_dropout in (0.0, 0.5):
@@ -202,16 +202,15 @@ def check_attention_dropout_is_its_own_setting(fields, attn):
 def lab_runs_in_process(monkeypatch):
     """lab/reproduce.py's commands `python lab/train.py ARGS` and `python lab/eval.py ARGS` (its
     training runs, their evaluations, its --mode=config calls) run as train_char.main(ARGS) and
-    eval_char.main(ARGS) in this process, with lab.variants imported as those two files import it:
+    eval_char.main(ARGS) in this process, with the lab's attentions as those two files pass them:
     the same settings, checkpoints and printed lines, and the exit status a process would have, without
     a torch import per run. Other commands (git) still run. For the tests of what reproduce.py does
-    with its runs; tests/test_reproduce.py's test_tiny_sweep_and_rerun and its SIGTERM test run
+    with its runs; tests/test_lab_reproduce.py's test_tiny_sweep_and_rerun and its SIGTERM test run
     them as the processes they are."""
-    import lab.variants  # noqa: F401  (registers the lab's attentions)
     from lab import reproduce
-    import eval_char
-    import train_char
-    mains = {reproduce.TRAIN_CHAR: train_char.main, reproduce.EVAL_CHAR: eval_char.main}
+    from lab.variants import ATTENTIONS
+    mains = {reproduce.TRAIN_CHAR: lambda argv: tc.main(argv, attentions=ATTENTIONS),
+             reproduce.EVAL_CHAR: lambda argv: ec.main(argv, attentions=ATTENTIONS)}
 
     def status(main, argv):
         try:

@@ -221,7 +221,7 @@ def test_backward_op_returns_dq_not_dm():
 def test_shared_metric_gradient_is_elementwise():
     """With share=True every layer adds its own dm = x^T dq, as large as m, to m's gradient. The
     kernels' backward must leave it to torch as an elementwise product, as damcha_torch.MetricQuery
-    does (tests/test_torch.py has the same test): torch.compile can then fuse the L products into
+    does (tests/test_model.py has the same test): torch.compile can then fuse the L products into
     one sum, while m-sized outputs of the op itself may stay alive together until the sum
     (results/gpu/). m's B*T*H*dh*dh = 1024 entries are a unique size here."""
     config = GPTConfig(kernel="triton", vocab_size=11, block_size=8, n_layer=3, n_head=2, n_embd=16, gen_width=6)

@@ -1,8 +1,8 @@
 """
-tests/test_baselines.py: checks the attention baselines of lab/baselines.py, DCMHA and Talking-Heads,
+tests/test_lab_baselines.py: checks the attention baselines of lab/baselines.py, DCMHA and Talking-Heads,
 the GPTs of GPTConfig(attn="dcmha") and GPTConfig(attn="tha") that lab/variants.build makes.
 
-Run: python -m pytest -q tests/test_baselines.py
+Run: python -m pytest -q tests/test_lab_baselines.py
 
 Both are MHA with the heads mixed before and after the softmax. With the mixing at the identity
 (THA's pre_mix and post_mix zero; DCMHA's dyn_proj and gates zero) a model's logits equal, in

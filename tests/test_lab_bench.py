@@ -1,8 +1,8 @@
 """
-tests/test_bench.py: runs bench.py's parts on tiny models, for their results' form, not their speed,
+tests/test_lab_bench.py: runs bench.py's parts on tiny models, for their results' form, not their speed,
 and checks the lab's counts (lab/counts.py): parameter-matched widths, training FLOPs and MFU.
 
-Run: python -m pytest -q tests/test_bench.py      (the peak memory of each model is measured in a
+Run: python -m pytest -q tests/test_lab_bench.py      (the peak memory of each model is measured in a
 fresh Python process)
 """
 import json

@@ -1,8 +1,8 @@
 """
-tests/test_variants.py: the 2x2 study's model variants: the book's GPTConfig fields metric_init
+tests/test_lab_variants.py: the 2x2 study's model variants: the book's GPTConfig fields metric_init
 and mlp_hidden, and the lab's attention "proj" (lab/variants.py); GPT's attention class.
 
-    python -m pytest -q tests/test_variants.py
+    python -m pytest -q tests/test_lab_variants.py
 
   attn="proj"             q_i = (u W_q)_i m_i, k_i = (u W_k)_i, v from MHA's c_attn
   metric_init="identity"  every m_i starts at I (static metric, or the generator's last bias)

@@ -3,7 +3,7 @@ written out entry by entry), train and test samples are distinct, the summary's 
 by seed, the models are at equal parameter count and a seed draws the weights it always drew, a
 tiny training run gives finite numbers, and the committed sweep is complete.
 
-    python -m pytest -q tests/test_synthetic.py
+    python -m pytest -q tests/test_lab_synthetic.py
 """
 import hashlib
 import json
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common import fails
 from lab import synthetic as syn
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "synthetic"
@@ -269,3 +270,8 @@ def test_a_seed_draws_the_model_it_always_drew(attn):
         h.update(v.contiguous().numpy().tobytes())
     digest, next_draw = SEEDED[attn]
     assert (h.hexdigest()[:16], f"{torch.rand(1).item():.10f}") == (digest, f"{next_draw:.10f}")
+
+
+def test_dims_that_cannot_fit_are_one_line(tmp_path):
+    """synthetic.py refuses dims that cannot fit in memory before allocating them, in one line."""
+    assert 'dims=100000 asks for more than' in fails('--dims=100000', f'--out={tmp_path / "syn"}', main=syn.main)

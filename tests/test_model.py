@@ -1,7 +1,7 @@
 """
-tests/test_torch.py: checks damcha_torch.GPT against the independent reference and against damcha_numpy.
+tests/test_model.py: checks damcha_torch.GPT against the independent reference and against damcha_numpy.
 
-Run: python -m pytest -q tests/test_torch.py
+Run: python -m pytest -q tests/test_model.py
 
 In float64, for every variant of the model (attn, adaptive, share, blocks, gen_out, gen_depth,
 bias) at three layers: logits and loss equal the independent loop-by-loop reference
