@@ -43,7 +43,7 @@ def resume(cfg, given, ranges, attentions, keep=('mode', 'init_from', 'out_dir')
     {attn name: the class of h.{l}.attn} beyond the book's, as the scripts' main takes them)."""
     ckpt = load_checkpoint(cfg['out_dir'])
     cfg, model_args = from_checkpoint(ckpt, cfg, given, ranges, keep)
-    check_fit(model_args, ckpt, attentions.get(model_args['attn']))
+    check_fit(model_args, ckpt, attention_class(model_args['attn'], attentions))
     return cfg, model_args, ckpt
 
 
@@ -86,6 +86,17 @@ def restore(ckpt, optimizer, scaler, batches, rank, device):
     check_optimizer_state(optimizer)
     for group, setting in zip(optimizer.param_groups, settings):
         group.update(setting)
+
+
+def attention_class(attn, attentions):
+    """The class of h.{l}.attn that GPT takes for this attn: None for the book's damcha and mha,
+    else the caller's (the lab's, by name); any other name is refused in one line."""
+    if attn in ('damcha', 'mha'):
+        return None
+    if attn not in attentions:
+        die(f"attn={attn!r}: this script builds attn='damcha' or 'mha'; the lab's attentions "
+            "(proj, tha, dcmha) train and evaluate with python lab/train.py and lab/eval.py")
+    return attentions[attn]
 
 
 def model_config(model_args):

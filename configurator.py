@@ -15,6 +15,7 @@ import difflib
 import math
 import os
 import re
+import sys
 
 from shell import die, pipe_closed
 

@@ -77,7 +77,8 @@ def load_for_inference(cfg, given, attentions):
     cfg, model_args, ckpt = checkpoint.resume(cfg, given, RANGES, attentions,
                                               keep=('mode', 'out_dir', 'compile', *SAMPLING))
     device, _, ctx = devices.setup(cfg['device'], cfg['dtype'], model_args['kernel'])
-    model = GPT(checkpoint.model_config(model_args), attentions.get(model_args['attn']))
+    model = GPT(checkpoint.model_config(model_args),
+                checkpoint.attention_class(model_args['attn'], attentions))
     checkpoint.load_weights(model, ckpt)
     model.to(device).eval()
     return ckpt, cfg, model, device, ctx

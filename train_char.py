@@ -137,6 +137,7 @@ def plan(cfg, given, attentions):
     else:
         model_args = {k: cfg[k] for k in MODEL_KEYS}
         checkpoint.model_config(model_args | {'vocab_size': model_args['vocab_size'] or 1})
+        checkpoint.attention_class(model_args['attn'], attentions)
     if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:   # the decay would raise the rate
         die(f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}: give a min_lr "
             "at most the peak")
@@ -293,7 +294,8 @@ def train(cfg, given, run, attentions):
 
     # the model, the optimizer and the generator of the training rows, as the checkpoint left them
     torch.manual_seed(cfg['seed'] + rank)
-    raw_model = GPT(checkpoint.model_config(model_args), attentions.get(model_args['attn']))
+    raw_model = GPT(checkpoint.model_config(model_args),
+                    checkpoint.attention_class(model_args['attn'], attentions))
     if ckpt is not None:
         checkpoint.load_weights(raw_model, ckpt)
     raw_model.to(device)
