@@ -27,7 +27,8 @@ def load_checkpoint(out_dir):
     if zipfile.is_zipfile(path):   # anything else: torch.load's own error below says what it is
         verify_archive(path)
     try:
-        with warnings.catch_warnings():   # e.g. on a plain pickle: the error below says it in one line
+        # e.g. on a plain pickle: the error below says it in one line
+        with warnings.catch_warnings():
             warnings.simplefilter('ignore')
             ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:   # torch.load raises many kinds for a damaged file; all mean the same
@@ -38,9 +39,10 @@ def load_checkpoint(out_dir):
 
 
 def resume(cfg, given, ranges, attentions, keep=('mode', 'init_from', 'out_dir')):
-    """(settings, model fields, checkpoint) of a run resumed, or evaluated, from out_dir/ckpt.pt: its
-    settings overridden by those given, refused now if its weights no longer fit them (attentions:
-    {attn name: the class of h.{l}.attn} beyond the book's, as the scripts' main takes them)."""
+    """(settings, model fields, checkpoint) of a run resumed, or evaluated, from out_dir/ckpt.pt:
+    its settings overridden by those given, refused now if its weights no longer fit them
+    (attentions: {attn name: the class of h.{l}.attn} beyond the book's, as the scripts' main
+    takes them)."""
     ckpt = load_checkpoint(cfg['out_dir'])
     cfg, model_args = from_checkpoint(ckpt, cfg, given, ranges, keep)
     check_fit(model_args, ckpt, attention_class(model_args['attn'], attentions))
@@ -51,8 +53,10 @@ def from_checkpoint(ckpt, cfg, given, ranges, keep=('mode', 'init_from', 'out_di
     """(settings, model_args): the run's saved settings, overridden by those given now (and by keep,
     never taken from a checkpoint); model fields too, as long as the weights still fit (say
     --blocks=diag to ablate a trained model)."""
-    saved = {k: v for k, v in ckpt['config'].items() if k in cfg and k not in given and k not in keep}
-    fields = {k: v for k, v in ckpt['model_args'].items() if k in cfg and k not in given}   # the model's own copy
+    saved = {k: v for k, v in ckpt['config'].items()
+             if k in cfg and k not in given and k not in keep}
+    # the model's own copy
+    fields = {k: v for k, v in ckpt['model_args'].items() if k in cfg and k not in given}
     check_saved_settings(os.path.join(cfg['out_dir'], 'ckpt.pt'), cfg, saved, fields, ranges)
     merged = cfg | saved
     model_args = {k: merged[k] if k in given else v for k, v in ckpt['model_args'].items()}
@@ -63,7 +67,8 @@ def load_weights(model, ckpt):
     """The checkpoint's weights into model, whose names and shapes resume() checked to fit."""
     try:
         model.load_state_dict(ckpt['model'])
-    except (RuntimeError, KeyError, TypeError) as e:   # not the names or shapes (check_fit): damage inside
+    except (RuntimeError, KeyError, TypeError) as e:
+        # not the names or shapes (check_fit): damage inside
         die(f"the checkpoint's weights do not load into the model ({str(e)[:300]})")
 
 
@@ -76,13 +81,15 @@ def restore(ckpt, optimizer, scaler, batches, rank, device):
         if ckpt['scaler']:   # {} when the saved run had no loss scaling (anything but float16)
             scaler.load_state_dict(ckpt['scaler'])
         batches.set_state(ckpt['rng']['batches'])
-        if rank < len(ckpt['rng']['torch']):   # more processes than saved: the new ones keep their seed
+        # more processes than saved: the new ones keep their seed
+        if rank < len(ckpt['rng']['torch']):
             cpu_state, cuda_state = ckpt['rng']['torch'][rank]
             torch.set_rng_state(cpu_state)
             if cuda_state is not None and device.startswith('cuda'):
                 torch.cuda.set_rng_state(cuda_state)
     except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as e:
-        die(f"the checkpoint's optimizer or RNG state does not fit this run ({type(e).__name__}: {str(e)[:300]})")
+        die(f"the checkpoint's optimizer or RNG state does not fit this run "
+            f"({type(e).__name__}: {str(e)[:300]})")
     check_optimizer_state(optimizer)
     for group, setting in zip(optimizer.param_groups, settings):
         group.update(setting)
@@ -115,16 +122,19 @@ def verify_archive(path):
     except (zipfile.BadZipFile, EOFError, ValueError) as e:
         bad = f'? ({e})'
     if bad:
-        die(f"{path} is damaged: its entry {bad} fails its CRC-32 check (its bytes changed after it was "
-            "saved); it is left as it is: restore it from a copy, or start again in another --out_dir")
+        die(f"{path} is damaged: its entry {bad} fails its CRC-32 check (its bytes changed after "
+            "it was saved); it is left as it is: restore it from a copy, or start again in another "
+            "--out_dir")
 
 
 def load_error(e):
-    """torch.load's reason, without its advice to load with weights_only=False or to allow the file's
-    Python objects: either runs code the file holds, no remedy for a damaged or untrusted file."""
+    """torch.load's reason, without its advice to load with weights_only=False or to allow the
+    file's Python objects: either runs code the file holds, no remedy for a damaged or untrusted
+    file."""
     text = str(e)
     if 'WeightsUnpickler error:' in text:
-        text = text.split('WeightsUnpickler error:')[1].split('Check the documentation')[0].split('. Please')[0]
+        text = (text.split('WeightsUnpickler error:')[1].split('Check the documentation')[0]
+                .split('. Please')[0])
     else:
         text = text.split('. ')[0]
     text = ' '.join(text.split())[:200]
@@ -135,14 +145,17 @@ def check_contents(ckpt, path):
     """What a checkpoint of train_char.py holds, of the right types, and values no training writes
     (negative counts, non-finite weights, a negative mean squared gradient): said now, not as a
     diverging loss later."""
-    needed = ('model', 'optimizer', 'scaler', 'model_args', 'config', 'vocab', 'iter_num', 'best_val_loss',
-              'tokens', 'elapsed', 'rng')
+    needed = ('model', 'optimizer', 'scaler', 'model_args', 'config', 'vocab', 'iter_num',
+              'best_val_loss', 'tokens', 'elapsed', 'rng')
     missing = [k for k in needed if k not in ckpt] if isinstance(ckpt, dict) else ['everything']
-    if missing or not all(isinstance(ckpt[k], dict) for k in ('model', 'model_args', 'config', 'optimizer')):
-        die(f"{path} is not a checkpoint of train_char.py (it lacks {', '.join(missing) or 'the right types'})")
+    if missing or not all(isinstance(ckpt[k], dict)
+                          for k in ('model', 'model_args', 'config', 'optimizer')):
+        die(f"{path} is not a checkpoint of train_char.py "
+            f"(it lacks {', '.join(missing) or 'the right types'})")
     numbers = dict(iter_num=int, tokens=int, best_val_loss=(int, float), elapsed=(int, float))
-    wrong = [k for k, kind in numbers.items() if type(ckpt[k]) is bool or not isinstance(ckpt[k], kind)
-             or not 0 <= ckpt[k] < math.inf]   # a negative iter_num would resume with negative learning rates
+    # a negative iter_num would resume with negative learning rates
+    wrong = [k for k, kind in numbers.items() if type(ckpt[k]) is bool
+             or not isinstance(ckpt[k], kind) or not 0 <= ckpt[k] < math.inf]
     if wrong:
         die(f"{path} is damaged: {', '.join(wrong)} should be numbers of at least 0, and finite")
     vocab = ckpt['vocab']
@@ -150,23 +163,29 @@ def check_contents(ckpt, path):
             and all(type(b) is int and 0 <= b < 256 for b in vocab)):
         die(f"{path} is damaged: vocab should be a list of distinct byte values")
     vocab_size = ckpt['model_args'].get('vocab_size')
-    if type(vocab_size) is int and len(vocab) > vocab_size:   # its type is checked with the other settings
-        die(f"{path} is damaged: its vocab has {len(vocab)} symbols, more than the model's vocab_size={vocab_size}")
+    # its type is checked with the other settings
+    if type(vocab_size) is int and len(vocab) > vocab_size:
+        die(f"{path} is damaged: its vocab has {len(vocab)} symbols, more than the model's "
+            f"vocab_size={vocab_size}")
     state = [s for s in ckpt['optimizer'].get('state', {}).values() if isinstance(s, dict)]
-    if not all(torch.isfinite(t).all() for t in [*ckpt['model'].values(), *(t for s in state for t in s.values())]
+    if not all(torch.isfinite(t).all()
+               for t in [*ckpt['model'].values(), *(t for s in state for t in s.values())]
                if isinstance(t, torch.Tensor) and t.is_floating_point()):
         die(f"{path} is damaged: it holds weights or optimizer state that are not finite numbers")
-    if any(isinstance(s.get('exp_avg_sq'), torch.Tensor) and (s['exp_avg_sq'] < 0).any() for s in state):
-        die(f"{path} is damaged: its optimizer state holds a negative exp_avg_sq (Adam's mean squared gradient)")
+    if any(isinstance(s.get('exp_avg_sq'), torch.Tensor) and (s['exp_avg_sq'] < 0).any()
+           for s in state):
+        die(f"{path} is damaged: its optimizer state holds a negative exp_avg_sq "
+            "(Adam's mean squared gradient)")
 
 
 def check_saved_settings(path, cfg, saved, fields, ranges):
-    """The settings a resume takes from a checkpoint (saved: the run's, fields: its model's own copy)
-    of their setting's type and within its rules, as if given as flags."""
-    wrong = sorted({k for k, v in [*saved.items(), *fields.items()]
-                    if type(v) is not type(cfg[k]) and not (type(cfg[k]) is float and type(v) is int)})
+    """The settings a resume takes from a checkpoint (saved: the run's, fields: its model's own
+    copy) of their setting's type and within its rules, as if given as flags."""
+    wrong = sorted({k for k, v in [*saved.items(), *fields.items()] if type(v) is not type(cfg[k])
+                    and not (type(cfg[k]) is float and type(v) is int)})
     if wrong:
-        die(f"{path} is damaged: its saved settings {', '.join(wrong)} are not of their setting's type")
+        die(f"{path} is damaged: its saved settings {', '.join(wrong)} are not of their "
+            "setting's type")
     wrong = settings_problem(cfg | saved | fields, ranges)
     if wrong:
         die(f"{path} is damaged: a setting it saved fails its check ({wrong})")
@@ -177,23 +196,29 @@ def check_fit(model_args, ckpt, attention=None):
     the meta device (no memory), so that a resume whose settings no longer fit is refused before
     the data are loaded."""
     with torch.device('meta'):
-        want = {k: tuple(v.shape) for k, v in GPT(model_config(model_args), attention).state_dict().items()}
-    have = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in ckpt['model'].items()}
+        want = {k: tuple(v.shape)
+                for k, v in GPT(model_config(model_args), attention).state_dict().items()}
+    have = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None
+            for k, v in ckpt['model'].items()}
     differ = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
     saved = ckpt['model_args']
-    changed = [f"{k}={v!r} (the checkpoint's: {saved.get(k)!r})" for k, v in model_args.items() if saved.get(k) != v]
-    if differ and changed:   # settings given now, in a config file or a flag, override the saved ones
-        die(f"the checkpoint's weights do not fit the model with {', '.join(changed)}: settings given "
-            "in config files and flags override the checkpoint's; give the run's own, or none")
+    changed = [f"{k}={v!r} (the checkpoint's: {saved.get(k)!r})"
+               for k, v in model_args.items() if saved.get(k) != v]
+    # settings given now, in a config file or a flag, override the saved ones
+    if differ and changed:
+        die(f"the checkpoint's weights do not fit the model with {', '.join(changed)}: "
+            "settings given in config files and flags override the checkpoint's; give the run's "
+            "own, or none")
     if differ:
-        die(f"the checkpoint's weights do not fit the model ({len(differ)} of its tensors, e.g. {differ[0]}: "
-            f"saved {have.get(differ[0])}, the model's {want.get(differ[0])})")
+        die(f"the checkpoint's weights do not fit the model ({len(differ)} of its tensors, "
+            f"e.g. {differ[0]}: saved {have.get(differ[0])}, the model's {want.get(differ[0])})")
 
 
 def check_optimizer_state(optimizer):
-    """Adam's moments of the shapes of their weights: a damaged one would fail the first step in a traceback."""
+    """Adam's moments of the shapes of their weights: a damaged one would fail the first step in a
+    traceback."""
     wrong = [(tuple(t.shape), tuple(w.shape)) for g in optimizer.param_groups for w in g['params']
              for k, t in optimizer.state.get(w, {}).items() if k != 'step' and t.shape != w.shape]
     if wrong:
-        die(f"the checkpoint is damaged: its optimizer state has a moment of shape {wrong[0][0]} for a "
-            f"{wrong[0][1]} weight")
+        die(f"the checkpoint is damaged: its optimizer state has a moment of shape {wrong[0][0]} "
+            f"for a {wrong[0][1]} weight")

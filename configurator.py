@@ -20,10 +20,12 @@ import sys
 from shell import die, pipe_closed
 
 
-def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=None, described_in=None):
+def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=None,
+              described_in=None):
     """defaults updated by each config file or --key=value of argv in order; choices: {key: allowed
     values}; positive / non_negative: keys whose numbers are checked; described_in: the source files
-    whose comments describe the settings for --help (default: the script). Returns (config, keys given)."""
+    whose comments describe the settings for --help (default: the script). Returns
+    (config, keys given)."""
     config, given = dict(defaults), set()
     for arg in argv:
         if arg in ('-h', '--help'):
@@ -32,7 +34,8 @@ def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=No
             width = min(30, max(map(len, settings.values())))
             try:
                 print((doc or '').strip() + '\n\nsettings, with their defaults (--key=value):\n'
-                      + '\n'.join(f'  {s:<{width}}  {about.get(k, "")}'.rstrip() for k, s in settings.items()),
+                      + '\n'.join(f'  {s:<{width}}  {about.get(k, "")}'.rstrip()
+                                  for k, s in settings.items()),
                       flush=True)
             except BrokenPipeError:   # --help | head
                 pipe_closed()
@@ -51,7 +54,8 @@ def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=No
         for key, value in updates.items():
             if key not in defaults:
                 close = difflib.get_close_matches(key, defaults, n=1)
-                die(f"unknown setting {key!r} in {arg}" + (f"; did you mean {close[0]!r}?" if close else ''))
+                die(f"unknown setting {key!r} in {arg}"
+                    + (f"; did you mean {close[0]!r}?" if close else ''))
             config[key] = typed(key, value, type(defaults[key]), from_text)
             given.add(key)
     wrong = problem(config, choices, positive, non_negative)
@@ -67,10 +71,12 @@ def problem(config, choices=None, positive=(), non_negative=()):
         if config[key] not in allowed:
             return f"{key} must be one of {', '.join(map(str, allowed))}, not {config[key]!r}"
     for key in tuple(positive) + tuple(non_negative):
-        if not math.isfinite(config[key]):   # nan passes every comparison below; inf reaches the libraries
+        # nan passes every comparison below; inf reaches the libraries
+        if not math.isfinite(config[key]):
             return f"{key} must be a finite number, not {config[key]}"
         if config[key] < 0 or (config[key] == 0 and key in positive):
-            return f"{key} must be {'positive' if key in positive else 'zero or more'}, not {config[key]}"
+            return (f"{key} must be {'positive' if key in positive else 'zero or more'}, "
+                    f"not {config[key]}")
     return None
 
 
@@ -107,7 +113,8 @@ def read_config_file(path):
             exec(compile(f.read(), path, 'exec'), namespace)
     except Exception as e:   # whatever a broken config file raises, report it in one line
         die(f"{path}: {type(e).__name__}: {e}")
-    except SystemExit as e:   # exit() in a config file would end the script in silence, having run nothing
+    except SystemExit as e:
+        # exit() in a config file would end the script in silence, having run nothing
         die(f"{path}: exits (SystemExit: {e.code!r}) instead of setting values")
     return {k: v for k, v in namespace.items() if not k.startswith('_')}
 
@@ -118,14 +125,17 @@ def typed(key, value, want, from_text):
         try:
             value = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            if want is not float or value.strip().lower().lstrip('+-') not in ('nan', 'inf', 'infinity'):
-                die(f"{key}={value}: expected {want.__name__}" + (" (True or False)" if want is bool else ''))
+            if (want is not float
+                    or value.strip().lower().lstrip('+-') not in ('nan', 'inf', 'infinity')):
+                die(f"{key}={value}: expected {want.__name__}"
+                    + (" (True or False)" if want is bool else ''))
             value = float(value)   # a number, if not a finite one: refused below as such
     if want is float and type(value) is int:
         value = float(value)
     if type(value) is not want:
         die(f"{key}={value!r}: expected {want.__name__}, not {type(value).__name__}")
-    if want is float and not math.isfinite(value):   # nan passes every comparison; inf reaches the libraries
+    # nan passes every comparison; inf reaches the libraries
+    if want is float and not math.isfinite(value):
         die(f"{key} must be a finite number, not {value}")
     return value
 

@@ -26,17 +26,20 @@ def setup(device, dtype, kernel, local_rank=0):
 
 def pick_device(name, local_rank):
     if name == 'auto':
-        name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+        name = ('cuda' if torch.cuda.is_available() else
+                'mps' if torch.backends.mps.is_available() else 'cpu')
     kind, colon, index = name.partition(':')
     if kind not in ('cpu', 'cuda', 'mps') or (colon and not (kind == 'cuda' and index.isdigit())):
         die(f"device must be auto, cpu, cuda, cuda:N or mps, not {name!r}")
-    if not {'cpu': True, 'cuda': torch.cuda.is_available(), 'mps': torch.backends.mps.is_available()}[kind]:
+    if not {'cpu': True, 'cuda': torch.cuda.is_available(),
+            'mps': torch.backends.mps.is_available()}[kind]:
         die(f"device={name}, but this machine has no {kind.upper()} device")
     if colon and int(index) >= torch.cuda.device_count():
-        die(f"device={name}, but this machine has {torch.cuda.device_count()} CUDA device(s), cuda:0 to "
-            f"cuda:{torch.cuda.device_count() - 1}")
+        die(f"device={name}, but this machine has {torch.cuda.device_count()} CUDA device(s), "
+            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     device = f'cuda:{local_rank}' if name == 'cuda' else name
-    if kind == 'cuda':   # the current device too: Triton launches on it, and the saved CUDA RNG state is its
+    if kind == 'cuda':
+        # the current device too: Triton launches on it, and the saved CUDA RNG state is its
         torch.cuda.set_device(device)
     return device
 
@@ -45,7 +48,8 @@ def autocast_for(device, dtype):
     """(dtype name, autocast context). Half precision runs under autocast, weights stay float32."""
     kind = device.split(':')[0]
     if dtype == 'auto':
-        dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if kind == 'cuda' else 'float32'
+        dtype = (('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if kind == 'cuda'
+                 else 'float32')
     if dtype == 'float16' and kind != 'cuda':
         die("dtype=float16 runs on a CUDA device only here (training it needs CUDA's GradScaler); "
             "use bfloat16 or float32")
@@ -63,19 +67,24 @@ def check_kernel(kernel, device, dtype):
     if importlib.util.find_spec('triton') is None:
         die("kernel=triton needs the triton package (pip install triton); use --kernel=torch")
     if not device.startswith('cuda') and os.environ.get('TRITON_INTERPRET') != '1':
-        die(f"kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 on a CPU), not {device}; use --kernel=torch")
+        die(f"kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 on a CPU), not {device}; "
+            "use --kernel=torch")
     if not device.startswith('cuda') and dtype != 'float32':
-        die(f"kernel=triton on a CPU runs in Triton's interpreter, which cannot train in {dtype}; use --dtype=float32")
+        die(f"kernel=triton on a CPU runs in Triton's interpreter, which cannot train in {dtype}; "
+            "use --dtype=float32")
 
 
 def check_fits(cfg, key, device, training=False):
-    """Refuse, before allocating them, cfg[key] rows that cannot fit: a float32 (rows, block_size, width)
-    is less than a forward pass holds, width a token's logits and embedding, or in training those
-    backward keeps (over eight embeddings a layer: the norms', attention's and the MLP's inputs)."""
+    """Refuse, before allocating them, cfg[key] rows that cannot fit: a float32 (rows, block_size,
+    width) is less than a forward pass holds, width a token's logits and embedding, or in training
+    those backward keeps (over eight embeddings a layer: the norms', attention's and the MLP's
+    inputs)."""
     limit = resource.getrlimit(resource.RLIMIT_AS)[0]   # ulimit -v, if one is set
     have = (torch.cuda.get_device_properties(device).total_memory if device.startswith('cuda') else
-            min(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'), math.inf if limit < 0 else limit))
-    need = 4 * cfg[key] * cfg['block_size'] * ((8 * cfg['n_layer'] if training else 1) * cfg['n_embd'] + cfg['vocab_size'])
+            min(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'),
+                math.inf if limit < 0 else limit))
+    need = 4 * cfg[key] * cfg['block_size'] * (
+        (8 * cfg['n_layer'] if training else 1) * cfg['n_embd'] + cfg['vocab_size'])
     if need > have:
-        die(f"{key}={cfg[key]} asks for more than {need / 2**30:,.1f} GiB, and {device} has {have / 2**30:,.1f} GiB: "
-            "lower it")
+        die(f"{key}={cfg[key]} asks for more than {need / 2**30:,.1f} GiB, "
+            f"and {device} has {have / 2**30:,.1f} GiB: lower it")

@@ -44,10 +44,12 @@ DEFAULTS = dict(
     out_dir='out-shakespeare',    # the run's folder; for plot, several joined by commas
     # taken from the checkpoint unless given here
     dataset='shakespeare',        # shakespeare | enwik8 | text8 | mix | path to a text file
-    data_dir='',                  # prepared datasets go in <data_dir>/<name>/; '' is data/ beside this file
+    data_dir='',                  # prepared datasets go in <data_dir>/<name>/; '' is data/ beside
+                                  # this file
     seed=1337,                    # of the samples
     device='auto',                # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-    dtype='auto',                 # auto (CUDA: bfloat16 if supported, else float16; float32 elsewhere)
+    dtype='auto',                 # auto (CUDA: bfloat16 if supported, else float16; float32
+                                  # elsewhere)
     batch_size=12,                # windows per forward pass in eval
     # eval (this script's own: a run trained compiled, on a GPU, may be evaluated on a CPU, where
     # compiling takes minutes; and one pass over a split rarely repays the compile anyway)
@@ -87,7 +89,8 @@ def load_for_inference(cfg, given, attentions):
 def evaluate(cfg, given, attentions):
     ckpt, cfg, model, device, ctx = load_for_inference(cfg, given, attentions)
     if cfg['stride'] > cfg['block_size']:
-        die(f"stride={cfg['stride']} is larger than block_size={cfg['block_size']}: tokens would go unscored")
+        die(f"stride={cfg['stride']} is larger than block_size={cfg['block_size']}: "
+            "tokens would go unscored")
     devices.check_fits(cfg, 'batch_size', device)
     if cfg['compile']:
         model = torch.compile(model)
@@ -100,9 +103,11 @@ def evaluate(cfg, given, attentions):
             if split not in c.splits:
                 print(f"note: {c.name} has no {split} split", file=sys.stderr)
                 continue
-            loss, count = split_loss(model, c.splits[split], c.lut, cfg, device, ctx, f"{c.name} {split}")
+            loss, count = split_loss(model, c.splits[split], c.lut, cfg, device, ctx,
+                                     f"{c.name} {split}")
             if not math.isfinite(loss):   # the weights passed their checks, so the model overflows
-                die(f"the {split} loss of {c.name} is {loss}: the model's outputs are not finite numbers")
+                die(f"the {split} loss of {c.name} is {loss}: the model's outputs are not "
+                    "finite numbers")
             suffix = f"_{c.name}" if len(corpora) > 1 else ''
             result |= {f'{split}_loss{suffix}': loss, f'{split}_bpc{suffix}': loss / LN2,
                        f'{split}_tokens{suffix}': count}
@@ -118,7 +123,8 @@ def split_loss(model, data, lut, cfg, device, ctx, desc=''):
     (all but its first token); lut: its ids -> the model's, or None; cfg: block_size, stride
     and batch_size. Windows of block_size start every `stride` tokens (0: block_size); each scores
     only targets not scored before, so with a stride below block_size each target past the first
-    window sees at least block_size - stride + 1 tokens of context. Returns (mean loss in nats, number of targets)."""
+    window sees at least block_size - stride + 1 tokens of context.
+    Returns (mean loss in nats, number of targets)."""
     T, batch_size = cfg['block_size'], cfg['batch_size']
     stride = cfg['stride'] or T
     starts = list(range(0, len(data) - T, stride))
@@ -137,24 +143,27 @@ def split_loss(model, data, lut, cfg, device, ctx, desc=''):
         with ctx:
             logits, _ = model(x, y)
         nll = F.cross_entropy(logits.float().transpose(1, 2), y, reduction='none')   # (B, T)
-        keep = torch.arange(T, device=device) >= torch.tensor(skips[b:b + len(batch)], device=device)[:, None]
+        keep = (torch.arange(T, device=device)
+                >= torch.tensor(skips[b:b + len(batch)], device=device)[:, None])
         total += nll[keep].double().sum().item()
         count += int(keep.sum())
     return total / count, count
 
 
 def sample(cfg, given, attentions):
-    if cfg['compile']:   # generate() calls the module itself, which torch.compile's wrapper would not reach
-        print("note: compile=True applies to --mode=eval; sampling runs the model uncompiled", file=sys.stderr)
+    if cfg['compile']:
+        # generate() calls the module itself, which torch.compile's wrapper would not reach
+        print("note: compile=True applies to --mode=eval; sampling runs the model uncompiled",
+              file=sys.stderr)
     ckpt, cfg, model, device, ctx = load_for_inference(cfg, given, attentions)
     ids = dataset.encode(cfg['start'], ckpt['vocab'], cfg['block_size'])
-    print(f"sampling {cfg['num_samples']} x {cfg['max_new_tokens']} characters from {cfg['out_dir']}/ckpt.pt "
-          f"(iter {ckpt['iter_num']}) on {device}", file=sys.stderr)
+    print(f"sampling {cfg['num_samples']} x {cfg['max_new_tokens']} characters from "
+          f"{cfg['out_dir']}/ckpt.pt (iter {ckpt['iter_num']}) on {device}", file=sys.stderr)
     torch.manual_seed(cfg['seed'])
     for _ in range(cfg['num_samples']):   # one at a time: each is printed once it is generated
         with ctx:
-            out = model.generate(torch.tensor([ids], device=device), cfg['max_new_tokens'], cfg['temperature'],
-                                 cfg['top_k'] or None)
+            out = model.generate(torch.tensor([ids], device=device), cfg['max_new_tokens'],
+                                 cfg['temperature'], cfg['top_k'] or None)
         print(dataset.decode(out[0].tolist(), ckpt['vocab']) + '\n---------------', flush=True)
 
 
@@ -174,8 +183,10 @@ def plot(cfg, given, attentions):
         log = read_jsonl(os.path.join(d, 'log.jsonl'))
         if not log:
             die(f"{d}/log.jsonl has no evaluations yet")
-        if not all(type(e.get(k)) in (int, float) for e in log for k in ('val_bpc', 'tokens', 'time')):
-            die(f"{d}/log.jsonl has an entry without val_bpc, tokens or time: not a log of train_char.py")
+        if not all(type(e.get(k)) in (int, float)
+                   for e in log for k in ('val_bpc', 'tokens', 'time')):
+            die(f"{d}/log.jsonl has an entry without val_bpc, tokens or time: "
+                "not a log of train_char.py")
         bpc = [e['val_bpc'] for e in log]
         by_tokens.plot([e['tokens'] for e in log], bpc, marker='.', label=d)
         by_time.plot([e['time'] / 60 for e in log], bpc, marker='.', label=d)

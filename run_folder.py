@@ -26,7 +26,8 @@ import torch
 
 from shell import DIVERGED, die, exit_status, why
 
-PARTIAL = r'.+\.damcha-partial-\d+\.tmp'   # atomic_write's temporary files: the only ones a run removes
+# atomic_write's temporary files: the only ones a run removes
+PARTIAL = r'.+\.damcha-partial-\d+\.tmp'
 
 
 class Diverged(Exception):
@@ -34,8 +35,9 @@ class Diverged(Exception):
 
 
 class RunFolder:
-    """out_dir as one training run uses it; only the master process (rank 0) writes to it. The lock
-    is this object's, held from lock() until the process ends, unlock() or the end of a with-block."""
+    """out_dir as one training run uses it; only the master process (rank 0) writes to it. The
+    lock is this object's, held from lock() until the process ends, unlock() or the end of a
+    with-block."""
 
     def __init__(self, out_dir):
         self.dir = out_dir
@@ -44,15 +46,17 @@ class RunFolder:
         self.lock_file = None
 
     def refuse_fresh_start(self):
-        """A new run never overwrites a checkpoint, nor the logs of a run whose checkpoint is gone."""
+        """A new run never overwrites a checkpoint, nor the logs of a run whose checkpoint is
+        gone."""
         if os.path.exists(self.ckpt_path):
-            die(f"{self.ckpt_path} exists: continue it with --init_from=resume, or choose another --out_dir")
+            die(f"{self.ckpt_path} exists: continue it with --init_from=resume, "
+                "or choose another --out_dir")
         logs = [n for n in ('log.jsonl', 'train_log.jsonl') if os.path.isfile(self.path(n))
                 and os.path.getsize(self.path(n))]
         if logs:   # a resume is impossible, and a new run would replace them
             die(f"{self.dir} holds {' and '.join(logs)} of an earlier run but no ckpt.pt"
-                f"{' (a link to a missing file)' * os.path.islink(self.ckpt_path)}: it cannot be resumed; "
-                "move the logs away, or choose another --out_dir")
+                f"{' (a link to a missing file)' * os.path.islink(self.ckpt_path)}: it cannot be "
+                "resumed; move the logs away, or choose another --out_dir")
 
     def lock(self):
         """Hold out_dir for this run: an exclusive flock on train.lock, which the kernel releases
@@ -64,7 +68,8 @@ class RunFolder:
         if os.path.exists(self.dir) and not os.path.isdir(self.dir):
             die(f"out_dir {self.dir} is a file, not a folder")
         os.makedirs(self.dir, exist_ok=True)
-        # surrogateescape: the command's bytes as typed, also those that are not UTF-8 (a prompt, a path)
+        # surrogateescape: the command's bytes as typed, also those that are not UTF-8
+        # (a prompt, a path)
         f = open(self.path('train.lock'), 'a+', errors='surrogateescape')
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -99,13 +104,15 @@ class RunFolder:
         return os.path.join(self.dir, name)
 
     def start_logs(self, k, resumed):
-        """Empty logs for a new run; a resumed run's logs cut at its checkpoint at iteration k: later
-        lines belong to the part of the interrupted run that it is about to redo. A checkpoint at k is
-        saved after the evaluation at k and before the step of k, which the resumed run takes again:
-        log.jsonl keeps iter <= k and train_log.jsonl iter < k, so no line is repeated or lost."""
+        """Empty logs for a new run; a resumed run's logs cut at its checkpoint at iteration k:
+        later lines belong to the part of the interrupted run that it is about to redo. A
+        checkpoint at k is saved after the evaluation at k and before the step of k, which the
+        resumed run takes again: log.jsonl keeps iter <= k and train_log.jsonl iter < k, so no
+        line is repeated or lost."""
         if resumed:
             self.saved_iter = k
-        for name, keep in (('log.jsonl', lambda it: it <= k), ('train_log.jsonl', lambda it: it < k)):
+        for name, keep in (('log.jsonl', lambda it: it <= k),
+                           ('train_log.jsonl', lambda it: it < k)):
             path = self.path(name)
             entries = read_jsonl(path) if resumed and os.path.isfile(path) else []
             if not all(isinstance(e.get('iter'), int) for e in entries):
@@ -136,24 +143,29 @@ class RunFolder:
             with atomic_write(path) as f:
                 torch.save(obj, f)
         except Exception as e:
-            cause = e   # a Ctrl-C inside torch.save, which reports it as an error of its own, stops as Ctrl-C does
+            # a Ctrl-C inside torch.save, which reports it as an error of its own, stops as
+            # Ctrl-C does
+            cause = e
             while cause is not None and not isinstance(cause, KeyboardInterrupt):
                 cause = cause.__context__
             if cause is not None:
                 raise cause from None
-            die(f"could not save {path}: {why(e)}; the partial file was removed; {self.last_good()}")
+            die(f"could not save {path}: {why(e)}; the partial file was removed; "
+                f"{self.last_good()}")
 
     def stopped(self, e, iter_num):
         """(exit status, one line) of a run that Ctrl-C, SIGTERM or SIGHUP (exit_status) or a
         non-finite loss (Diverged, DIVERGED) stopped at iter_num: where, and what is on disk."""
         if isinstance(e, KeyboardInterrupt):
             return exit_status(e), f"interrupted at iter {iter_num}: " + (
-                f"a resume (--init_from=resume) starts from {self.dir}/ckpt.pt at iter {self.saved_iter}"
-                if self.saved_iter is not None else f"no checkpoint was written yet: to start again, move "
-                f"the logs out of {self.dir}, or choose another --out_dir")
+                f"a resume (--init_from=resume) starts from {self.dir}/ckpt.pt at iter "
+                f"{self.saved_iter}"
+                if self.saved_iter is not None else
+                f"no checkpoint was written yet: to start again, move the logs out of "
+                f"{self.dir}, or choose another --out_dir")
         what, value, it = e.args
-        return DIVERGED, (f"error: the {what} loss became {value} at iter {it}; stopped without saving: "
-                          f"{self.last_good()}; try a lower learning_rate")
+        return DIVERGED, (f"error: the {what} loss became {value} at iter {it}; "
+                          f"stopped without saving: {self.last_good()}; try a lower learning_rate")
 
     def last_good(self):
         return (f"{self.ckpt_path} (iter {self.saved_iter}) is the last good checkpoint"
@@ -164,7 +176,8 @@ class RunFolder:
 def atomic_write(path):
     """A binary file to write that appears at `path` only once complete: written beside it (this
     process's own file, named PARTIAL), flushed to disk, renamed over it. A crash leaves the old
-    file or none; any failure removes the partial file before passing on. Every save goes through here."""
+    file or none; any failure removes the partial file before passing on. Every save goes through
+    here."""
     tmp = f'{path}.damcha-partial-{os.getpid()}.tmp'
     try:
         with open(tmp, 'wb') as f:
@@ -195,17 +208,18 @@ def read_jsonl(path):
                 raise ValueError(f"a JSON {type(entry).__name__}, not an object")
         except ValueError as e:   # UnicodeDecodeError is one too
             if n == lines[-1][0]:
-                print(f"note: dropped the unreadable last line {n} of {path}, an interrupted write: "
-                      f"{line[:60].decode(errors='replace')!r}", file=sys.stderr)
+                print(f"note: dropped the unreadable last line {n} of {path}, an interrupted "
+                      f"write: {line[:60].decode(errors='replace')!r}", file=sys.stderr)
                 break
-            die(f"{path}, line {n} of {len(lines)}, is unreadable ({e}): only a last line is dropped "
-                "(an interrupted write); repair or delete this one")
+            die(f"{path}, line {n} of {len(lines)}, is unreadable ({e}): only a last line is "
+                "dropped (an interrupted write); repair or delete this one")
         entries.append(entry)
     return entries
 
 
 def to_json(obj, **kwargs):
-    """obj as JSON, a non-finite number as null: JSON has no NaN, which a strict reader would refuse."""
+    """obj as JSON, a non-finite number as null: JSON has no NaN, which a strict reader would
+    refuse."""
     def finite(o):
         if isinstance(o, float) and not math.isfinite(o):
             return None

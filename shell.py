@@ -12,7 +12,8 @@ import signal
 import sys
 from contextlib import contextmanager
 
-DIVERGED = 3   # train_char.py's exit status when a non-finite loss stopped the run (lab/reproduce.py reads it)
+# train_char.py's exit status when a non-finite loss stopped the run (lab/reproduce.py reads it)
+DIVERGED = 3
 
 
 def die(message):
@@ -21,8 +22,9 @@ def die(message):
 
 
 def pipe_closed():
-    """stdout's reader went away (`... | head`): not an error. stdout goes to /dev/null, so the last
-    flush is quiet too, and the exit status is that of a process SIGPIPE ended, as any Unix tool's."""
+    """stdout's reader went away (`... | head`): not an error. stdout goes to /dev/null, so the
+    last flush is quiet too, and the exit status is that of a process SIGPIPE ended, as any Unix
+    tool's."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     raise SystemExit(128 + 13)
 
@@ -60,9 +62,11 @@ def exit_status(e):
 
 
 def why(e):
-    """An exception as a reason, naming a full disk or the file size limit (ulimit -f) where it, or the
-    error it came from, says so (torch.save reports either as a RuntimeError, 'unexpected pos')."""
-    cause, reasons = e, {errno.ENOSPC: 'the disk is full', errno.EFBIG: 'the file size limit (ulimit -f) was reached'}
+    """An exception as a reason, naming a full disk or the file size limit (ulimit -f) where it, or
+    the error it came from, says so (torch.save reports either as a RuntimeError,
+    'unexpected pos')."""
+    cause, reasons = e, {errno.ENOSPC: 'the disk is full',
+                         errno.EFBIG: 'the file size limit (ulimit -f) was reached'}
     while cause is not None:
         if isinstance(cause, OSError) and cause.errno in reasons:
             return f"{reasons[cause.errno]} ({cause.strerror})"
@@ -74,7 +78,8 @@ def out_of_memory(e, settings):
     OutOfMemoryError, the CPU allocator's RuntimeError); else nothing."""
     if isinstance(e, MemoryError) or type(e).__name__ == 'OutOfMemoryError' or any(
             s in str(e) for s in ("can't allocate memory", 'not enough memory')):
-        die(f"out of memory ({' '.join(str(e).split())[:120] or type(e).__name__}): lower {settings}")
+        die(f"out of memory ({' '.join(str(e).split())[:120] or type(e).__name__}): "
+            f"lower {settings}")
 
 @contextmanager
 def one_line_errors(memory_settings):
@@ -86,7 +91,8 @@ def one_line_errors(memory_settings):
         yield
     except BrokenPipeError:   # stdout's reader went away (| head): not an error
         pipe_closed()
-    except OSError as e:   # an unwritable out_dir or plot_file, a full disk: the system's own reason
+    except OSError as e:
+        # an unwritable out_dir or plot_file, a full disk: the system's own reason
         die(why(e) if e.errno in (errno.ENOSPC, errno.EFBIG) else e)
     except (MemoryError, RuntimeError) as e:   # CUDA's OutOfMemoryError is a RuntimeError
         out_of_memory(e, memory_settings)

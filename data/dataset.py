@@ -23,7 +23,8 @@ class Corpus:
     name: str                 # enwik8, text8, shakespeare or a text file's path
     dir: str                  # the folder it was prepared in
     splits: dict              # {'train', 'val'(, 'test'): uint8 token ids, memory-mapped}
-    lut: np.ndarray | None    # its token ids -> the model's (mix: text8's 27 into 256); None: the same
+    lut: np.ndarray | None    # its token ids -> the model's (mix: text8's 27 into 256);
+                              # None: the same
 
 
 def load_dataset(name, data_dir='', vocab=None):
@@ -51,22 +52,24 @@ def verified(name, data_dir):
     from its source, with a note; where the source is gone, preparing says so in one line."""
     meta = prepare(name, data_dir)
     for again in (False, True):
-        splits = {s: np.memmap(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8, mode='r') if size
-                  else np.zeros(0, dtype=np.uint8) for s, size in meta['splits'].items()}
+        splits = {s: np.memmap(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8, mode='r')
+                  if size else np.zeros(0, dtype=np.uint8) for s, size in meta['splits'].items()}
         damage = '; '.join(f'{s}.bin {why}' for s, ids in splits.items()
                            if (why := split_damage(ids, meta['sha256'][s], len(meta['vocab']))))
         if not damage:
             return meta, splits
         if again:
-            die(f"{meta['dir']}: {damage}, though just prepared again from its source: is the disk failing?")
-        print(f"note: {meta['dir']}: {damage}; preparing it again from its source ({meta['source']})",
-              file=sys.stderr)
+            die(f"{meta['dir']}: {damage}, though just prepared again from its source: "
+                "is the disk failing?")
+        print(f"note: {meta['dir']}: {damage}; preparing it again from its source "
+              f"({meta['source']})", file=sys.stderr)
         meta = prepare(name, data_dir, again=True)
 
 
 def split_damage(ids, sha256, vocab_size):
     """What is wrong with a split's token ids, or None: the SHA-256 that meta.json gives them (one
-    read of the data, a small part of a run's start-up), and their largest against the vocabulary."""
+    read of the data, a small part of a run's start-up), and their largest against the
+    vocabulary."""
     if hashlib.sha256(ids).hexdigest() != sha256:
         return "does not match its SHA-256 in meta.json (damaged, or overwritten)"
     if len(ids) and ids.max() >= vocab_size:
@@ -90,36 +93,41 @@ def encode(start, vocab, block_size):
     if start.startswith('FILE:'):
         try:
             with open(start[5:], 'rb') as f:
-                data = f.read(block_size + 1)   # a token past the context tells one too long; /dev/zero ends
+                # a token past the context tells one too long; /dev/zero ends
+                data = f.read(block_size + 1)
         except OSError as e:
             die(f"cannot read the prompt from {start[5:]}: {e}")
     elif start == '':
         default = [b for b in b'\n ' if b in vocab]
         if not default:
-            die("the dataset has neither a newline nor a space, one of which an empty --start stands for: "
-                "give a prompt with --start")
+            die("the dataset has neither a newline nor a space, one of which an empty --start "
+                "stands for: give a prompt with --start")
         data = bytes(default[:1])
     else:
         try:
             data = start.encode('utf-8', errors='surrogateescape')
         except UnicodeEncodeError as e:
-            die(f"the prompt cannot be written as bytes: {e.reason} at character {e.start} ({start[e.start]!r})")
+            die(f"the prompt cannot be written as bytes: {e.reason} at character {e.start} "
+                f"({start[e.start]!r})")
     index = {b: i for i, b in enumerate(vocab)}
     if set(data) - set(index):
         text = data.decode('utf-8', errors='surrogateescape')   # whole characters, for the message
-        outside = sorted({ch for ch in text if set(ch.encode('utf-8', errors='surrogateescape')) - set(index)})
+        outside = sorted({ch for ch in text
+                          if set(ch.encode('utf-8', errors='surrogateescape')) - set(index)})
         die(f"the prompt has characters outside the model's {len(vocab)}-symbol vocabulary: "
-            + ' '.join(repr(ch.encode('utf-8', errors='surrogateescape') if '\udc80' <= ch <= '\udcff' else ch)
+            + ' '.join(repr(ch.encode('utf-8', errors='surrogateescape')
+                            if '\udc80' <= ch <= '\udcff' else ch)
                        for ch in outside))
     ids = [index[b] for b in data]
     if not ids:
         die("the prompt is empty")
     if len(ids) > block_size:
-        die(f"the prompt is {f'over {block_size}' if start.startswith('FILE:') else len(ids)} tokens, longer than "
-            f"the model's context (block_size={block_size})")
+        die(f"the prompt is {f'over {block_size}' if start.startswith('FILE:') else len(ids)} "
+            f"tokens, longer than the model's context (block_size={block_size})")
     return ids
 
 
 def decode(ids, vocab):
     # ids past the vocabulary (a vocab_size set larger than it) become 0xFF, which shows as U+FFFD
-    return bytes(vocab[i] if i < len(vocab) else 0xFF for i in ids).decode('utf-8', errors='replace')
+    return (bytes(vocab[i] if i < len(vocab) else 0xFF for i in ids)
+            .decode('utf-8', errors='replace'))

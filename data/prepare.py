@@ -41,7 +41,8 @@ import numpy as np
 from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if __name__ == '__main__':   # run as a script: the repository root, which holds configurator.py, is above
+if __name__ == '__main__':
+    # run as a script: the repository root, which holds configurator.py, is above
     sys.path.insert(0, os.path.dirname(HERE))
 from configurator import configure  # noqa: E402
 from run_folder import atomic_write  # noqa: E402
@@ -70,8 +71,10 @@ def read_meta(folder, digest):
     try:
         with open(os.path.join(folder, 'meta.json')) as f:
             meta = json.load(f)
-        if (meta['digest'] == digest and isinstance(meta['vocab'], list) and meta['sha256'].keys() == meta['splits'].keys()
-                and all(os.path.getsize(os.path.join(folder, f'{s}.bin')) == n for s, n in meta['splits'].items())):
+        if (meta['digest'] == digest and isinstance(meta['vocab'], list)
+                and meta['sha256'].keys() == meta['splits'].keys()
+                and all(os.path.getsize(os.path.join(folder, f'{s}.bin')) == n
+                        for s, n in meta['splits'].items())):
             return meta | {'dir': folder}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
@@ -91,7 +94,8 @@ def write_splits(folder, digest, make, again=False):
         except BlockingIOError:
             print(f"waiting for another process preparing {folder}", file=sys.stderr)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        except OSError:   # a file system without flock (some NFS): each use's check still finds a mix
+        except OSError:
+            # a file system without flock (some NFS): each use's check still finds a mix
             pass
         meta = None if again else read_meta(folder, digest)
         return meta if meta is not None else write_locked(folder, digest, *make())
@@ -100,7 +104,8 @@ def write_splits(folder, digest, make, again=False):
 
 
 def write_locked(folder, digest, ids, vocab, percents, source):
-    """write_splits's work, its lock held: each split's SHA-256 goes into meta.json, for verified()."""
+    """write_splits's work, its lock held: each split's SHA-256 goes into meta.json, for
+    verified()."""
     sizes = [len(ids) * p // 100 for p in percents[:-1]]
     sizes.append(len(ids) - sum(sizes))
     splits, sha256, begin = {}, {}, 0
@@ -109,7 +114,8 @@ def write_locked(folder, digest, ids, vocab, percents, source):
             f.write(ids[begin:begin + size])
         splits[split], sha256[split] = size, hashlib.sha256(ids[begin:begin + size]).hexdigest()
         begin += size
-    meta = dict(vocab=[int(b) for b in vocab], splits=splits, sha256=sha256, source=source, digest=digest)
+    meta = dict(vocab=[int(b) for b in vocab], splits=splits, sha256=sha256, source=source,
+                digest=digest)
     with atomic_write(os.path.join(folder, 'meta.json')) as f:
         f.write(json.dumps(meta).encode())
     print(f"prepared {folder}: " + ', '.join(f'{s} {n:,}' for s, n in splits.items())
@@ -135,7 +141,8 @@ def download(name, archive):
             f.flush()
             return unzip_verified(f.name, name, source)
     except (OSError, http.client.HTTPException) as e:   # urllib's URLError is an OSError
-        if getattr(e, 'errno', None) == errno.ENOSPC:   # writing the archive failed, not the download
+        # writing the archive failed, not the download
+        if getattr(e, 'errno', None) == errno.ENOSPC:
             die(f"no space left on the device for {archive} ({e}); free some and run again")
         die(f"could not download {url} ({e}); download it by hand and put it at {archive}")
     except ValueError as e:
@@ -205,7 +212,8 @@ def prepare_text(path, folder, percents, again=False):
         return meta
     data = np.frombuffer(raw, dtype=np.uint8)
     vocab = np.unique(data)
-    make = lambda: (np.searchsorted(vocab, data).astype(np.uint8), vocab, percents, os.path.abspath(path))
+    make = lambda: (np.searchsorted(vocab, data).astype(np.uint8), vocab, percents,
+                    os.path.abspath(path))
     return write_splits(folder, digest, make, again)
 
 
@@ -230,8 +238,8 @@ def text_file_dir(path, data_dir):
     if not os.path.isfile(path):   # a FIFO would hand its data over once, and a directory has none
         kind = ('a directory' if os.path.isdir(path) else 'a FIFO (named pipe)'
                 if stat.S_ISFIFO(os.stat(path).st_mode) else 'a device or socket')
-        die(f"dataset {path!r} is {kind}, not a regular file: a dataset is a file read whole at each use "
-            "(to check its prepared data against it)")
+        die(f"dataset {path!r} is {kind}, not a regular file: a dataset is a file read whole at "
+            "each use (to check its prepared data against it)")
     full = os.path.realpath(path).encode(errors='surrogateescape')
     stem = os.path.splitext(os.path.basename(path))[0]
     return os.path.join(data_dir, f'{stem}-{hashlib.sha256(full).hexdigest()[:8]}')
@@ -253,10 +261,12 @@ def main(argv):
     if not names:
         die("name the datasets to prepare: shakespeare, enwik8, text8, mix or a text file")
     try:
-        expanded = [n for name in names for n in corpora(name, options['data_dir'])]   # all checked first
+        # all checked first
+        expanded = [n for name in names for n in corpora(name, options['data_dir'])]
         for n in dict.fromkeys(expanded):   # each once: `enwik8 mix` prepares enwik8 once
             meta = prepare(n, options['data_dir'])
-            print(f"{n}: {meta['dir']}: " + ', '.join(f'{s} {k:,}' for s, k in meta['splits'].items())
+            print(f"{n}: {meta['dir']}: "
+                  + ', '.join(f'{s} {k:,}' for s, k in meta['splits'].items())
                   + f" tokens, vocabulary of {len(meta['vocab'])}")
     except OSError as e:   # an unwritable data_dir, a full disk: the system's own one-line reason
         die(e)
