@@ -1,4 +1,4 @@
-"""
+r"""
 eval_char.py: evaluate, sample from and plot the runs that train_char.py trained.
 
 In the manner of nanoGPT's sample.py: it reads out_dir/ckpt.pt and keeps the run's saved settings
@@ -7,12 +7,13 @@ ablates a trained model at inference (a model trained with --gen_out=full); comp
 sampling settings are this script's own. Settings: the defaults below, then config files and
 --key=value flags, read by the configurator that every script uses.
 
-    python eval_char.py --out_dir=out-shakespeare                    # bpc of the whole val split (and test), as JSON
-    python eval_char.py --out_dir=out-enwik8-damcha --stride=256     # overlapping windows: more context per token
-    python eval_char.py --out_dir=out-enwik8-damcha --blocks=diag    # Table 3's ablation of a gen_out=full model
+    python eval_char.py --out_dir=out-shakespeare                 # whole-val bpc, as JSON
+    python eval_char.py --out_dir=out-enwik8-damcha --stride=256  # windows overlap: more context
+    python eval_char.py --out_dir=out-enwik8-damcha --blocks=diag # Table 3's ablation (full M)
     python eval_char.py --mode=sample --out_dir=out-shakespeare --start="ROMEO:" --num_samples=3
                                                 # each sample printed as soon as it is generated
-    python eval_char.py --mode=plot --out_dir=out-enwik8-damcha,out-enwik8-mha --plot_file=enwik8.png
+    python eval_char.py --mode=plot --out_dir=out-enwik8-damcha,out-enwik8-mha \
+        --plot_file=enwik8.png
 
 eval scores every next-character target of a split exactly once: windows of block_size start every
 stride tokens (0: block_size, non-overlapping), and each scores only the targets not scored before,

@@ -22,8 +22,10 @@ damaged split is prepared again from its source, with a note.
     text8        10^8 characters of a-z and space: 27 symbols, 90M / 5M / 5M
     mix          the paper's 50-50 mixture of enwik8 and text8 over the 256-byte vocabulary:
                  each training row comes from either with probability 1/2 (train_char.get_batch)
-    PATH         any text file, read as bytes: its distinct bytes, 90 / 5 / 5, under data/<its stem>-<digest>/
-Without a network, put enwik8.zip or text8.zip (from mattmahoney.net/dc/) in data/enwik8/ or data/text8/.
+    PATH         any text file, read as bytes: its distinct bytes, 90 / 5 / 5, under
+                 data/<its stem>-<digest>/
+Without a network, put enwik8.zip or text8.zip (from mattmahoney.net/dc/) in data/enwik8/ or
+data/text8/.
 """
 import errno
 import fcntl
