@@ -218,14 +218,18 @@ class DamchaAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)   # Eq. 7: the values
-        if not config.share:                                         # this layer's own
+        self.add_own_metric(config)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.config = config
+
+    def add_own_metric(self, config):
+        """This layer's own generator (Eq. 3) or static metric, unless the stack shares one."""
+        if not config.share:
             if config.adaptive:
                 self.gen = Generator(config)
             else:
                 self.metric = static_metric(config)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
-        self.config = config
 
     def forward(self, u, m=None):
         """u (B, T, D), the normalised layer input; m: the stack's shared metrics, or None when

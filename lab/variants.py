@@ -15,7 +15,7 @@ to the book's:
 """
 import torch.nn as nn
 
-from damcha_torch import GPT, DamchaAttention, Generator, static_metric
+from damcha_torch import GPT, DamchaAttention
 from lab.baselines import ComposedAttention
 
 
@@ -29,18 +29,13 @@ class ProjectedAttention(DamchaAttention):
         nn.Module.__init__(self)                                     # not DAMCHA's c_v
         D = config.n_embd
         self.c_attn = nn.Linear(D, 3 * D, bias=config.bias)          # rows [q; k; v], as MHA's
-        if not config.share:                                         # this layer's own
-            if config.adaptive:
-                self.gen = Generator(config)
-            else:
-                self.metric = static_metric(config)
+        self.add_own_metric(config)
         self.c_proj = nn.Linear(D, D, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.config = config
 
     def forward(self, u, m=None):
-        """u (B, T, D), the normalised layer input; m: the stack's shared metrics, or None when
-        this layer owns its generator or static metric. -> (B, T, D)"""
+        """As DamchaAttention.forward, with the query inputs, keys and values from c_attn."""
         if m is None:
             m = self.own_metrics(u)
         B, T, D = u.size()
