@@ -218,7 +218,8 @@ def factors_plot(factors, colors):
     rows = factors["rows"]
     fig, axes = plt.subplots(1, len(rows), figsize=(5.2 * len(rows), 3.6), sharey=True, squeeze=False)
     for ax, row in zip(axes[0], rows):
-        for dropout, cells, style, shift in (("no dropout", ("i", "iii"), "-", -0.02), ("dropout 0.1", ("iv", "ii"), "--", 0.02)):
+        for dropout, cells, style, shift in (("no dropout", ("one_pass", "three_passes"), "-", -0.02),
+                                             ("dropout 0.1", ("one_pass_dropout", "three_passes_dropout"), "--", 0.02)):
             means = [row["cells"][r][0] for r in cells]
             halves = [row["cells"][r][1] or 0.0 for r in cells]
             x = [shift, 1 + shift]   # apart, so that the two levels' intervals do not hide each other
@@ -277,7 +278,7 @@ def study2x2(regime):
     return dict(summary, by_variant={r["variant"]: r for r in summary["rows"]})
 
 
-def paired_cases(regimes=("i", "ii")):
+def paired_cases(regimes=("one_pass", "three_passes_dropout")):
     """The 2x2 study's paired comparisons with MHA, equal steps: per regime and variant, (the
     variant's per-seed whole-val bpc, MHA's, lab/reproduce.py's (mean, half-width) of the 95% t
     interval of their per-seed difference, and the t statistic that interval implies)."""
