@@ -206,7 +206,7 @@ def sides_plot(summaries, colors):
     ax.axvline(0, color="k", lw=0.8)
     ax.set_yticks(range(len(names)), [n.replace("interaction: ", "interaction:\n") for n in names], fontsize=9)
     ax.invert_yaxis()
-    regimes = " (filled: regime %s, open: regime %s)" % tuple(summaries) if len(summaries) == 2 else ""
+    regimes = " (filled: %s, open: %s)" % tuple(summaries) if len(summaries) == 2 else ""
     ax.set(xlabel="paired difference in whole-val bpc (negative: the change helps)", title="the 2x2's sides" + regimes)
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
@@ -225,8 +225,6 @@ def factors_plot(factors, colors):
             x = [shift, 1 + shift]   # apart, so that the two levels' intervals do not hide each other
             ax.errorbar(x, means, yerr=halves, fmt="o" + style, color=colors[row["variant"]],
                         mfc="white" if style == "--" else None, capsize=3, label=dropout)
-            for xr, mean, r in zip(x, means, cells):
-                ax.annotate(f" {r}", (xr, mean), fontsize=8)
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks([0, 1], ["one pass", "about three passes"])
         ax.set_xlim(-0.3, 1.3)
