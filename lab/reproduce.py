@@ -45,16 +45,18 @@ Variants (STUDY below): mha; damcha (own slice, adaptive, folded as train_char r
 lab/variants.py: MHA's projections with the shared adaptive metric, identity-initialised, DAMCHA's
 generator width, MLP width solved); damcha_full (gen_out=full, the paper's form and its Table 3
 model, also evaluated with blocks=diag and offdiag).
-    python lab/reproduce.py --study=2x2 --regime=lr      # LR sweep (--lr_grid, 1 seed), held-out slice of train
-    python lab/reproduce.py --study=2x2 --regime=i       # one pass (1,860 iters), 5 seeds at the chosen rates
-    python lab/reproduce.py --study=2x2 --regime=ii      # 6,000 iters (~3 passes) with dropout 0.1, 5 seeds
-    python lab/reproduce.py --study=2x2 --regime=iii --variants=mha,proj,damcha   # 6,000 iters, no dropout
-    python lab/reproduce.py --study=2x2 --regime=iv --variants=mha,proj,damcha    # 1,860 iters, dropout 0.1
-    python lab/reproduce.py --study=2x2 --regime=lr6000 --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3,8e-3
-                                                       # the LR sweep at regime ii's 6,000 iterations
-    python lab/reproduce.py --study=2x2 --regime=ii_lr6000 --variants=mha,proj,damcha   # ii at lr6000's rates
-    python lab/reproduce.py --study=2x2 --regime=lr_big --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3,8e-3
-    python lab/reproduce.py --study=2x2 --regime=big --variants=mha,proj,damcha --seeds=3   # D = 256, 6 layers
+    python lab/reproduce.py --study=2x2 --regime=sweep_one_pass          # LR sweep (--lr_grid, 1 seed), held-out slice of train
+    python lab/reproduce.py --study=2x2 --regime=one_pass                # one pass (1,860 iters), 5 seeds at the chosen rates
+    python lab/reproduce.py --study=2x2 --regime=three_passes_dropout    # 6,000 iters (~3 passes) with dropout 0.1, 5 seeds
+    python lab/reproduce.py --study=2x2 --regime=three_passes --variants=mha,proj,damcha       # 6,000 iters, no dropout
+    python lab/reproduce.py --study=2x2 --regime=one_pass_dropout --variants=mha,proj,damcha   # 1,860 iters, dropout 0.1
+    python lab/reproduce.py --study=2x2 --regime=sweep_three_passes_dropout --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3,8e-3
+                                                       # the LR sweep at three_passes_dropout's 6,000 iterations
+    python lab/reproduce.py --study=2x2 --regime=three_passes_dropout_own_rates --variants=mha,proj,damcha
+                                                       # three_passes_dropout at the rates of the sweep above
+    python lab/reproduce.py --study=2x2 --regime=sweep_d256 --variants=mha,proj,damcha --lr_grid=1e-3,2e-3,4e-3,8e-3
+    python lab/reproduce.py --study=2x2 --regime=d256_three_passes_dropout --variants=mha,proj,damcha --seeds=3
+                                                       # D = 256, 6 layers, at sweep_d256's rates
 Results under results/study2x2/<regime>/ (each eval JSON records the commit), checkpoints under
 out-study/2x2/<regime>/; finished runs are skipped, so each command resumes; copies of one command
 started side by side share its runs (each skips the run another is training); and rerun on finished
@@ -93,7 +95,8 @@ VARIANTS = dict(mha=dict(attn='mha'), dcmha=dict(attn='dcmha'), damcha=dict(attn
                 damcha_static=dict(attn='damcha', adaptive=False),
                 damcha_unshared=dict(attn='damcha', share=False))
 OPTIONS = dict(dataset='shakespeare', seeds=3, variants=','.join(VARIANTS), max_iters=0, device='auto',
-               results='', out_root='', snapshot='damcha-seed1', study='', regime='i', lr_grid='1e-3,2e-3,4e-3')
+               results='', out_root='', snapshot='damcha-seed1', study='', regime='one_pass',
+               lr_grid='1e-3,2e-3,4e-3')
 # The 2x2 study (--study=2x2): how queries and keys are formed (own slice, or projected)
 # x whether the metric is static or adaptive, each at MHA's parameter count, plus the paper's
 # Table 3 model. `trade` names the width solved for MHA's count: the generator's, or the MLP's
@@ -105,26 +108,33 @@ STUDY = dict(
     proj=dict(fields=dict(attn='proj', metric_init='identity'), trade='mlp_hidden'),
     damcha_full=dict(fields=dict(attn='damcha', gen_out='full'), trade='gen_width'),   # Table 3, also eval diag/offdiag
 )
-# regimes: "lr" the learning-rate sweep (one seed per rate, scored on a held-out slice of the training
-# split), "i" one pass over the training split (1,429,444 characters / (12 x 64) = 1,861 iterations),
-# "ii" about three passes with dropout 0.1; "iii" and "iv" complete the 2x2 of passes x dropout:
-# three passes without dropout, one pass with it; "lr6000" the sweep again at regime ii's schedule,
-# and "ii_lr6000" regime ii again at the rates it chose (SAME_AS: a run whose rate did not change is ii's);
-# "big" one step up in scale (BIG: ~3 passes in 2,800 iterations, dropout 0.1 as in regime ii) at the
-# rates of its own short sweep "lr_big" (one pass)
-BIG = dict(n_embd=256, n_head=8, n_layer=6, block_size=128)
-REGIMES = dict(lr=dict(max_iters=1860, eval_interval=100), i=dict(max_iters=1860, eval_interval=100),
-               ii=dict(max_iters=6000, eval_interval=250, dropout=0.1), iii=dict(max_iters=6000, eval_interval=250),
-               iv=dict(max_iters=1860, eval_interval=100, dropout=0.1),
-               lr6000=dict(max_iters=6000, eval_interval=250, dropout=0.1),
-               lr_big=dict(max_iters=930, eval_interval=100, dropout=0.1, **BIG),
-               big=dict(max_iters=2800, eval_interval=200, dropout=0.1, **BIG))
-SWEEPS = ('lr', 'lr6000', 'lr_big')   # the regimes that sweep the rates
-RATES_FROM = dict(big='lr_big', ii_lr6000='lr6000')   # the sweep whose rates a regime trains at; "lr" for the others
+# regimes, named for what they hold: "one_pass" one pass over the training split (1,429,444 characters
+# / (12 x 64) = 1,861 iterations), "three_passes_dropout" about three passes with dropout 0.1;
+# "three_passes" and "one_pass_dropout" complete the 2x2 of passes x dropout. "sweep_one_pass" is the
+# learning-rate sweep at one pass (one seed per rate, scored on a held-out slice of the training
+# split), whose rates the 2x2 trains at; "sweep_three_passes_dropout" the sweep again at
+# three_passes_dropout's schedule, and "three_passes_dropout_own_rates" that regime again at the rates
+# it chose (SAME_AS: a run whose rate did not change is three_passes_dropout's);
+# "d256_three_passes_dropout" one step up in scale (D256: ~3 passes in 2,800 iterations, dropout 0.1)
+# at the rates of its own short sweep "sweep_d256" (one pass)
+D256 = dict(n_embd=256, n_head=8, n_layer=6, block_size=128)
+REGIMES = dict(sweep_one_pass=dict(max_iters=1860, eval_interval=100),
+               one_pass=dict(max_iters=1860, eval_interval=100),
+               three_passes_dropout=dict(max_iters=6000, eval_interval=250, dropout=0.1),
+               three_passes=dict(max_iters=6000, eval_interval=250),
+               one_pass_dropout=dict(max_iters=1860, eval_interval=100, dropout=0.1),
+               sweep_three_passes_dropout=dict(max_iters=6000, eval_interval=250, dropout=0.1),
+               sweep_d256=dict(max_iters=930, eval_interval=100, dropout=0.1, **D256),
+               d256_three_passes_dropout=dict(max_iters=2800, eval_interval=200, dropout=0.1, **D256))
+SWEEPS = ('sweep_one_pass', 'sweep_three_passes_dropout', 'sweep_d256')   # the regimes that sweep the rates
+# the sweep whose rates a regime trains at; "sweep_one_pass" for the others
+RATES_FROM = dict(d256_three_passes_dropout='sweep_d256',
+                  three_passes_dropout_own_rates='sweep_three_passes_dropout')
 # regimes whose runs were made two at a time beside other work: their wall-clock times are load, not
 # cost, so their summaries leave out the equal-wall-clock difference and the minutes (lab/bench.py times)
-SHARED_MACHINE = ('iii', 'iv', 'ii_lr6000', 'big')
-SAME_AS = dict(ii_lr6000='ii')   # a regime with another's settings: its finished run at the same rate and seed is this one's
+SHARED_MACHINE = ('three_passes', 'one_pass_dropout', 'three_passes_dropout_own_rates', 'd256_three_passes_dropout')
+# a regime with another's settings: its finished run at the same rate and seed is this one's
+SAME_AS = dict(three_passes_dropout_own_rates='three_passes_dropout')
 REGIMES |= {regime: REGIMES[other] for regime, other in SAME_AS.items()}
 # the run named by --snapshot also keeps its weights at these fractions of max_iters, in
 # <results>/snapshots/<run>/: notebooks/04 plots its learned metric over training from them
@@ -175,7 +185,7 @@ def parse_options(argv):
         if key in REFUSED:
             die(f"--{key}: reproduce.py decides it: {REFUSED[key]}")
         if opts['study'] and key in ('learning_rate', 'min_lr'):
-            die(f"--{key}: the study takes each variant's rate from its LR sweep (--regime=lr, --lr_grid)")
+            die(f"--{key}: the study takes each variant's rate from its LR sweep (--regime=sweep_one_pass, --lr_grid)")
     if opts['study'] not in ('', '2x2'):
         die(f"study must be '' (the character-level sweep) or '2x2', not {opts['study']!r}")
     if opts['regime'] not in REGIMES:
@@ -549,7 +559,7 @@ def read_evals(results):
     return out
 
 
-def chosen_rates(root, sweep='lr'):
+def chosen_rates(root, sweep='sweep_one_pass'):
     """{variant: learning rate} chosen by the LR sweep (its summary.json), or a one-line error."""
     path = os.path.join(root, sweep, 'summary.json')
     if not os.path.exists(path):
@@ -686,8 +696,8 @@ def study_contrasts(evals, seeds):
 
 
 # the 2x2 of passes x dropout: the regime of each cell, (passes, dropout)
-CELLS = dict(i=('one pass', 'no dropout'), iv=('one pass', 'dropout 0.1'), iii=('three passes', 'no dropout'),
-             ii=('three passes', 'dropout 0.1'))
+CELLS = dict(one_pass=('one pass', 'no dropout'), one_pass_dropout=('one pass', 'dropout 0.1'),
+             three_passes=('three passes', 'no dropout'), three_passes_dropout=('three passes', 'dropout 0.1'))
 
 
 def seeds_in(evals):
@@ -697,8 +707,9 @@ def seeds_in(evals):
 
 def factor_effects(root):
     """What passes (about 3 against 1) and dropout (0.1 against 0) do to each variant's difference
-    to MHA, d_r = variant - mha at the same seed in regime r. Per seed: passes = (d_iii + d_ii - d_i -
-    d_iv) / 2, dropout = (d_iv + d_ii - d_i - d_iii) / 2, interaction = (d_ii - d_iv) - (d_iii - d_i)
+    to MHA, d_r = variant - mha at the same seed in regime r. Per seed, with d_1, d_1d, d_3, d_3d the
+    cells one_pass, one_pass_dropout, three_passes, three_passes_dropout: passes = (d_3 + d_3d - d_1
+    - d_1d) / 2, dropout = (d_1d + d_3d - d_1 - d_3) / 2, interaction = (d_3d - d_1d) - (d_3 - d_1)
     (how much dropout changes the effect of passes), each with its 95% t interval over the seeds that
     finished all eight runs. The regimes' runs are independent, so joining them by seed number
     correlates nothing: each contrast's spread over seeds is its own. Writes factors.md and
@@ -711,9 +722,10 @@ def factor_effects(root):
         if not done:
             continue
         d = {r: [evals[r][f'{name}-seed{s}']['val_bpc'] - evals[r][f'mha-seed{s}']['val_bpc'] for s in done] for r in CELLS}
-        effects = dict(passes=[(d['iii'][k] + d['ii'][k] - d['i'][k] - d['iv'][k]) / 2 for k in range(len(done))],
-                       dropout=[(d['iv'][k] + d['ii'][k] - d['i'][k] - d['iii'][k]) / 2 for k in range(len(done))],
-                       interaction=[(d['ii'][k] - d['iv'][k]) - (d['iii'][k] - d['i'][k]) for k in range(len(done))])
+        d1, d1d, d3, d3d = d['one_pass'], d['one_pass_dropout'], d['three_passes'], d['three_passes_dropout']
+        effects = dict(passes=[(d3[k] + d3d[k] - d1[k] - d1d[k]) / 2 for k in range(len(done))],
+                       dropout=[(d1d[k] + d3d[k] - d1[k] - d3[k]) / 2 for k in range(len(done))],
+                       interaction=[(d3d[k] - d1d[k]) - (d3[k] - d1[k]) for k in range(len(done))])
         rows.append(dict(variant=name, seeds=done, diffs=d, cells={r: interval(d[r]) for r in CELLS},
                          effects={k: interval(v) for k, v in effects.items()}))
     if not rows:
@@ -733,28 +745,32 @@ def factor_effects(root):
     print('\n'.join(lines))
 
 
-# regime ii changed in one thing: the rates chosen at its own length (ii_lr6000, regime ii again by
-# SAME_AS: the same seeds, initialisation and batches, so its changes are paired), or the model's size (big)
-CHANGES = dict(ii_lr6000='rates chosen at 6,000 iterations', big='D = 256, 6 layers, context 128')
+# three_passes_dropout changed in one thing: the rates chosen at its own length
+# (three_passes_dropout_own_rates, that regime again by SAME_AS: the same seeds, initialisation and
+# batches, so its changes are paired), or the model's size (d256_three_passes_dropout)
+BASE = 'three_passes_dropout'
+CHANGES = dict(three_passes_dropout_own_rates='rates chosen at 6,000 iterations',
+               d256_three_passes_dropout='D = 256, 6 layers, context 128')
 
 
-def changes_from_ii(root):
-    """Whether each contrast (a variant's bpc minus another's at the same seed) moves from regime ii when
-    the rates are chosen at regime ii's length (ii_lr6000: same seeds, so the per-seed change, with its
-    paired 95% t interval) or when the model is larger (big: other runs, so the difference of the two
-    regimes' means, with Welch's 95% t interval). damcha - proj is the own slice's cost with the adaptive
-    metric on both sides, free of MHA's seeds. Writes changes.md and changes.json under root once regime
-    ii and one of the others have a seed of both sides."""
-    evals = {r: read_evals(os.path.join(root, r)) for r in ('ii', *CHANGES)}
+def changes_from_three_passes_dropout(root):
+    """Whether each contrast (a variant's bpc minus another's at the same seed) moves from
+    three_passes_dropout when the rates are chosen at that regime's length
+    (three_passes_dropout_own_rates: same seeds, so the per-seed change, with its paired 95% t
+    interval) or when the model is larger (d256_three_passes_dropout: other runs, so the difference
+    of the two regimes' means, with Welch's 95% t interval). damcha - proj is the own slice's cost
+    with the adaptive metric on both sides, free of MHA's seeds. Writes changes.md and changes.json
+    under root once three_passes_dropout and one of the others have a seed of both sides."""
+    evals = {r: read_evals(os.path.join(root, r)) for r in (BASE, *CHANGES)}
     rows = []
     for first, second in (('proj', 'mha'), ('damcha', 'mha'), ('damcha', 'proj')):
         d = {r: {s: evals[r][f'{first}-seed{s}']['val_bpc'] - evals[r][f'{second}-seed{s}']['val_bpc']
                  for s in seeds_in(evals) if f'{first}-seed{s}' in evals[r] and f'{second}-seed{s}' in evals[r]}
              for r in evals}
-        if not d['ii'] or not any(d[r] for r in CHANGES):
+        if not d[BASE] or not any(d[r] for r in CHANGES):
             continue
-        change = {r: interval([d[r][s] - d['ii'][s] for s in d[r] if s in d['ii']]) if SAME_AS.get(r) == 'ii'
-                  else welch_interval(list(d[r].values()), list(d['ii'].values())) if d[r] else (None, None)
+        change = {r: interval([d[r][s] - d[BASE][s] for s in d[r] if s in d[BASE]]) if SAME_AS.get(r) == BASE
+                  else welch_interval(list(d[r].values()), list(d[BASE].values())) if d[r] else (None, None)
                   for r in CHANGES}
         rows.append(dict(contrast=f'{first} - {second}', diffs={r: list(v.values()) for r, v in d.items()},
                          cells={r: interval(list(v.values())) for r, v in d.items()}, change=change))
@@ -762,14 +778,15 @@ def changes_from_ii(root):
         return
     write_study_summary(os.path.join(root, 'changes.json'), dict(changes=CHANGES, rows=rows, commit=git_commit()))
     cell = lambda diffs, mean_half: f"{len(diffs)}, {fmt_interval(*mean_half)}" if diffs else ''
-    lines = ['Regime ii (about three passes with dropout 0.1) changed in its rates (ii_lr6000) or in its model size '
-             '(big, at the rates of its own sweep): whole-val bpc of one variant minus another\'s at the same seed, '
-             'with 95% t intervals (seeds, difference), and its change from regime ii: '
-             'ii_lr6000 per seed (paired), big as the difference of the means (Welch). Negative change: the change '
-             'favours the first variant more.', '',
-             '| contrast | ii | ' + ' | '.join(f'{r} ({what}) | change' for r, what in CHANGES.items()) + ' |',
+    lines = ['three_passes_dropout (about three passes with dropout 0.1) changed in its rates '
+             '(three_passes_dropout_own_rates) or in its model size (d256_three_passes_dropout, at the rates of '
+             'its own sweep): whole-val bpc of one variant minus another\'s at the same seed, with 95% t '
+             'intervals (seeds, difference), and its change from three_passes_dropout: '
+             'three_passes_dropout_own_rates per seed (paired), d256_three_passes_dropout as the difference of '
+             'the means (Welch). Negative change: the change favours the first variant more.', '',
+             f'| contrast | {BASE} | ' + ' | '.join(f'{r} ({what}) | change' for r, what in CHANGES.items()) + ' |',
              '|---|---|' + '---|---|' * len(CHANGES)]
-    lines += [f"| {row['contrast']} | {cell(row['diffs']['ii'], row['cells']['ii'])} | "
+    lines += [f"| {row['contrast']} | {cell(row['diffs'][BASE], row['cells'][BASE])} | "
               + ' | '.join(f"{cell(row['diffs'][r], row['cells'][r])} | "
                            + (fmt_interval(*row['change'][r]) if row['diffs'][r] else '') for r in CHANGES) + ' |'
               for row in rows]
@@ -779,8 +796,8 @@ def changes_from_ii(root):
 
 
 def study(opts, passthrough):
-    """The 2x2 study: --regime=lr sweeps the learning rates, i and ii train every variant at its
-    chosen rate for --seeds seeds; results in <results>/<regime>/, checkpoints in <out_root>/<regime>/."""
+    """The 2x2 study: a sweep regime (SWEEPS) sweeps the learning rates, the others train every
+    variant at its chosen rate for --seeds seeds; results in <results>/<regime>/, checkpoints in <out_root>/<regime>/."""
     variants = [v for v in opts['variants'].split(',') if v]
     if 'mha' not in variants:
         die("the study's differences are to MHA: include mha in --variants")
@@ -799,11 +816,11 @@ def study(opts, passthrough):
         complete = lambda v: len(finished(results, [f'{v}-lr{lr:g}' for lr in grid])) == len(grid)
     else:
         dataset, vocab_size = opts['dataset'], 0
-        rates = chosen_rates(root, RATES_FROM.get(regime, 'lr'))
+        rates = chosen_rates(root, RATES_FROM.get(regime, 'sweep_one_pass'))
         missing = [v for v in variants if v not in rates]
         if missing:
             die(f"the LR sweep has chosen no rate yet for {', '.join(missing)}: finish "
-                f"--regime={RATES_FROM.get(regime, 'lr')} first")
+                f"--regime={RATES_FROM.get(regime, 'sweep_one_pass')} first")
         jobs_of = lambda names: [(f'{n}-seed{s}', n, dict(learning_rate=rates[n], min_lr=rates[n] / 10, seed=s))
                                  for s in seeds for n in names]
         # another variant joins the summary with a chosen rate and a finished seed
@@ -849,7 +866,7 @@ def study(opts, passthrough):
     else:
         seed_summary(summarized, opts['seeds'], runs, params, rates, results, regime, commit)
         factor_effects(root)
-        changes_from_ii(root)
+        changes_from_three_passes_dropout(root)
 
 
 def main(argv):

@@ -206,7 +206,7 @@ def sides_plot(summaries, colors):
     ax.axvline(0, color="k", lw=0.8)
     ax.set_yticks(range(len(names)), [n.replace("interaction: ", "interaction:\n") for n in names], fontsize=9)
     ax.invert_yaxis()
-    regimes = " (filled: regime %s, open: regime %s)" % tuple(summaries) if len(summaries) == 2 else ""
+    regimes = " (filled: %s, open: %s)" % tuple(summaries) if len(summaries) == 2 else ""
     ax.set(xlabel="paired difference in whole-val bpc (negative: the change helps)", title="the 2x2's sides" + regimes)
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
@@ -218,14 +218,13 @@ def factors_plot(factors, colors):
     rows = factors["rows"]
     fig, axes = plt.subplots(1, len(rows), figsize=(5.2 * len(rows), 3.6), sharey=True, squeeze=False)
     for ax, row in zip(axes[0], rows):
-        for dropout, cells, style, shift in (("no dropout", ("i", "iii"), "-", -0.02), ("dropout 0.1", ("iv", "ii"), "--", 0.02)):
+        for dropout, cells, style, shift in (("no dropout", ("one_pass", "three_passes"), "-", -0.02),
+                                             ("dropout 0.1", ("one_pass_dropout", "three_passes_dropout"), "--", 0.02)):
             means = [row["cells"][r][0] for r in cells]
             halves = [row["cells"][r][1] or 0.0 for r in cells]
             x = [shift, 1 + shift]   # apart, so that the two levels' intervals do not hide each other
             ax.errorbar(x, means, yerr=halves, fmt="o" + style, color=colors[row["variant"]],
                         mfc="white" if style == "--" else None, capsize=3, label=dropout)
-            for xr, mean, r in zip(x, means, cells):
-                ax.annotate(f" {r}", (xr, mean), fontsize=8)
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks([0, 1], ["one pass", "about three passes"])
         ax.set_xlim(-0.3, 1.3)
@@ -277,7 +276,7 @@ def study2x2(regime):
     return dict(summary, by_variant={r["variant"]: r for r in summary["rows"]})
 
 
-def paired_cases(regimes=("i", "ii")):
+def paired_cases(regimes=("one_pass", "three_passes_dropout")):
     """The 2x2 study's paired comparisons with MHA, equal steps: per regime and variant, (the
     variant's per-seed whole-val bpc, MHA's, lab/reproduce.py's (mean, half-width) of the 95% t
     interval of their per-seed difference, and the t statistic that interval implies)."""

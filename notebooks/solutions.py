@@ -103,8 +103,11 @@ def weight_decay_shrink(lrs, weight_decay):
 
 def factor_effects(d):
     """06, exercise 3: from d[regime], one variant's per-seed differences to MHA (NumPy arrays) in
-    the four cells (i: one pass, iv: one pass with dropout, iii: three passes, ii: three passes with
-    dropout), each seed's effect of passes and of dropout (the change averaged over the other
-    factor's two levels) and their interaction (how much dropout changes the effect of passes)."""
-    i, iv, iii, ii = (np.asarray(d[r], float) for r in ("i", "iv", "iii", "ii"))
-    return dict(passes=(iii + ii - i - iv) / 2, dropout=(iv + ii - i - iii) / 2, interaction=(ii - iv) - (iii - i))
+    the four cells (one_pass, one_pass_dropout, three_passes, three_passes_dropout), each seed's
+    effect of passes and of dropout (the change averaged over the other factor's two levels) and
+    their interaction (how much dropout changes the effect of passes)."""
+    one, one_dropout, three, three_dropout = (
+        np.asarray(d[r], float) for r in ("one_pass", "one_pass_dropout", "three_passes", "three_passes_dropout"))
+    return dict(passes=(three + three_dropout - one - one_dropout) / 2,
+                dropout=(one_dropout + three_dropout - one - three) / 2,
+                interaction=(three_dropout - one_dropout) - (three - one))

@@ -124,33 +124,33 @@ def test_a_split_sweep_summarizes_the_runs_the_other_process_finished_meanwhile(
 def test_a_split_study_summarizes_what_the_other_process_finished(tmp_path, monkeypatch):
     """The study's regimes split over processes: in the LR sweep another variant joins the summary
     once its whole grid is done (damcha, not static with one rate), with the rate and parameter count
-    a run of it alone gives; in regime i, once it has a chosen rate and a finished seed (damcha, not
-    proj, which has no rate)."""
+    a run of it alone gives; in regime one_pass, once it has a chosen rate and a finished seed (damcha,
+    not proj, which has no rate)."""
     lab_runs_in_process(monkeypatch)   # train_char.py --mode=config, which gives the settings
     args = ['--study=2x2', '--max_iters=4', '--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16',
             '--device=cpu', f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}"]
-    others = {'lr': [('damcha-lr0.001', 2.5), ('damcha-lr0.002', 2.4), ('static-lr0.001', 2.7)],
-              'i': [('damcha-seed1', 2.1), ('proj-seed1', 2.2)]}
+    others = {'sweep_one_pass': [('damcha-lr0.001', 2.5), ('damcha-lr0.002', 2.4), ('static-lr0.001', 2.7)],
+              'one_pass': [('damcha-seed1', 2.1), ('proj-seed1', 2.2)]}
 
     def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, *rest, **kw):
         for name, bpc in [(run, 2.0)] + others[os.path.basename(results)]:
             write_run(pathlib.Path(results), name, bpc, [(0, bpc + 1), (10, bpc)])
         return dict(val_bpc=2.0)
     monkeypatch.setattr(reproduce, 'train_and_evaluate', train_and_evaluate)
-    lr_args = ['--regime=lr', '--lr_grid=1e-3,2e-3']
+    lr_args = ['--regime=sweep_one_pass', '--lr_grid=1e-3,2e-3']
     reproduce.main(args + lr_args + ['--variants=mha', f"--results={tmp_path / 'split'}"])
-    lr = json.loads((tmp_path / 'split' / 'lr' / 'summary.json').read_text())
+    lr = json.loads((tmp_path / 'split' / 'sweep_one_pass' / 'summary.json').read_text())
     assert list(lr['held_out_bpc']) == ['mha', 'damcha'] and lr['chosen_lr'] == {'mha': 0.001, 'damcha': 0.002}
-    others['lr'] = []
+    others['sweep_one_pass'] = []
     reproduce.main(args + lr_args + ['--variants=mha,damcha', f"--results={tmp_path / 'alone'}"])
-    params = lambda where: [line for line in (tmp_path / where / 'lr' / 'summary.md').read_text().splitlines()
+    params = lambda where: [line for line in (tmp_path / where / 'sweep_one_pass' / 'summary.md').read_text().splitlines()
                             if line.startswith('| damcha |')][0].split('|')[2]
     assert params('split') == params('alone')
 
-    (tmp_path / 'split' / 'lr' / 'summary.json').write_text(json.dumps(dict(chosen_lr=dict(mha=1e-3, damcha=2e-3,
+    (tmp_path / 'split' / 'sweep_one_pass' / 'summary.json').write_text(json.dumps(dict(chosen_lr=dict(mha=1e-3, damcha=2e-3,
                                                                                                static=1e-3))))
-    reproduce.main(args + ['--regime=i', '--variants=mha', '--seeds=2', f"--results={tmp_path / 'split'}"])
-    rows = json.loads((tmp_path / 'split' / 'i' / 'summary.json').read_text())['rows']
+    reproduce.main(args + ['--regime=one_pass', '--variants=mha', '--seeds=2', f"--results={tmp_path / 'split'}"])
+    rows = json.loads((tmp_path / 'split' / 'one_pass' / 'summary.json').read_text())['rows']
     assert [(r['variant'], r['runs']) for r in rows] == [('mha', 2), ('damcha', 1)]
 
 
@@ -165,24 +165,25 @@ def test_copies_of_one_command_share_its_runs(tmp_path, monkeypatch):
         write_run(pathlib.Path(results), run, 2.0, [(0, 3.0), (10, 2.0)])
         return dict(val_bpc=2.0)
     monkeypatch.setattr(reproduce, 'train_and_evaluate', train_and_evaluate)
-    (tmp_path / 'results' / 'lr').mkdir(parents=True)
-    (tmp_path / 'results' / 'lr' / 'summary.json').write_text(json.dumps(dict(chosen_lr=dict(mha=1e-3, damcha=2e-3))))
-    args = ['--study=2x2', '--regime=i', '--seeds=2', '--variants=mha,damcha', '--max_iters=4', '--n_layer=1',
+    (tmp_path / 'results' / 'sweep_one_pass').mkdir(parents=True)
+    (tmp_path / 'results' / 'sweep_one_pass' / 'summary.json').write_text(json.dumps(dict(chosen_lr=dict(mha=1e-3, damcha=2e-3))))
+    args = ['--study=2x2', '--regime=one_pass', '--seeds=2', '--variants=mha,damcha', '--max_iters=4', '--n_layer=1',
             '--n_embd=32', '--n_head=2', '--block_size=16', '--device=cpu', f"--out_root={tmp_path / 'out'}",
             f"--data_dir={tmp_path / 'data'}", f"--results={tmp_path / 'results'}"]
-    other = reproduce.claim(str(tmp_path / 'out' / 'i' / 'damcha-seed1'))   # another process's
+    other = reproduce.claim(str(tmp_path / 'out' / 'one_pass' / 'damcha-seed1'))   # another process's
     reproduce.main(args)
     assert trained == ['mha-seed1', 'mha-seed2', 'damcha-seed2']
     other.close()
     reproduce.main(args)
     assert trained[3:] == ['damcha-seed1']
-    rows = json.loads((tmp_path / 'results' / 'i' / 'summary.json').read_text())['rows']
+    rows = json.loads((tmp_path / 'results' / 'one_pass' / 'summary.json').read_text())['rows']
     assert [(r['variant'], r['runs']) for r in rows] == [('mha', 2), ('damcha', 2)]
 
 
-def test_regime_ii_again_at_the_rates_of_its_own_length_retrains_only_what_changed(tmp_path, monkeypatch):
-    """ii_lr6000 trains at lr6000's rates; a run of regime ii at the same rate and seed is that run
-    (copied with its log), one at another rate is trained."""
+def test_three_passes_dropout_at_the_rates_of_its_own_length_retrains_only_what_changed(tmp_path, monkeypatch):
+    """three_passes_dropout_own_rates trains at sweep_three_passes_dropout's rates; a run of
+    three_passes_dropout at the same rate and seed is that run (copied with its log), one at another
+    rate is trained."""
     lab_runs_in_process(monkeypatch)   # train_char.py --mode=config, which gives the settings
     trained = []
 
@@ -192,37 +193,46 @@ def test_regime_ii_again_at_the_rates_of_its_own_length_retrains_only_what_chang
         return dict(val_bpc=2.0)
     monkeypatch.setattr(reproduce, 'train_and_evaluate', train_and_evaluate)
     study = tmp_path / 'results'
-    for sweep, rates in (('lr', dict(mha=4e-3, proj=2e-3)), ('lr6000', dict(mha=4e-3, proj=4e-3))):
+    for sweep, rates in (('sweep_one_pass', dict(mha=4e-3, proj=2e-3)),
+                         ('sweep_three_passes_dropout', dict(mha=4e-3, proj=4e-3))):
         (study / sweep).mkdir(parents=True)
         (study / sweep / 'summary.json').write_text(json.dumps(dict(chosen_lr=rates)))
-    (study / 'ii').mkdir()
+    first = study / 'three_passes_dropout'
+    first.mkdir()
     for v, lr in (('mha', 4e-3), ('proj', 2e-3)):
-        (study / 'ii' / f'{v}-seed1.log.jsonl').write_text(json.dumps(dict(iter=0, time=0.0, val_bpc=3.0, val_loss=2.0, train_loss=2.0)) + '\n')
-        (study / 'ii' / f'{v}-seed1.eval.json').write_text(json.dumps(dict(val_bpc=2.5 if v == 'mha' else 2.4, iter=4, commit='ii',
-                                                                           learning_rate=lr, min_lr=lr / 10, seed=1)))
-    reproduce.main(['--study=2x2', '--regime=ii_lr6000', '--seeds=1', '--variants=mha,proj', '--max_iters=4', '--n_layer=1',
-                    '--n_embd=32', '--n_head=2', '--block_size=16', '--device=cpu', f"--out_root={tmp_path / 'out'}",
-                    f"--data_dir={tmp_path / 'data'}", f'--results={study}'])
+        (first / f'{v}-seed1.log.jsonl').write_text(json.dumps(dict(iter=0, time=0.0, val_bpc=3.0, val_loss=2.0, train_loss=2.0)) + '\n')
+        (first / f'{v}-seed1.eval.json').write_text(json.dumps(dict(val_bpc=2.5 if v == 'mha' else 2.4, iter=4, commit='first',
+                                                                    learning_rate=lr, min_lr=lr / 10, seed=1)))
+    reproduce.main(['--study=2x2', '--regime=three_passes_dropout_own_rates', '--seeds=1', '--variants=mha,proj',
+                    '--max_iters=4', '--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16', '--device=cpu',
+                    f"--out_root={tmp_path / 'out'}", f"--data_dir={tmp_path / 'data'}", f'--results={study}'])
     assert trained == [('proj-seed1', 4e-3)]
-    copied = json.loads((study / 'ii_lr6000' / 'mha-seed1.eval.json').read_text())
-    assert copied['commit'] == 'ii' and copied['val_bpc'] == 2.5
-    rows = {r['variant']: r for r in json.loads((study / 'ii_lr6000' / 'summary.json').read_text())['rows']}
+    again = study / 'three_passes_dropout_own_rates'
+    copied = json.loads((again / 'mha-seed1.eval.json').read_text())
+    assert copied['commit'] == 'first' and copied['val_bpc'] == 2.5
+    rows = {r['variant']: r for r in json.loads((again / 'summary.json').read_text())['rows']}
     assert rows['proj']['lr'] == 4e-3 and rows['proj']['diff_equal_steps'][0] == pytest.approx(2.0 - 2.5)
 
 
 # The commands that wrote the committed results (README), each with its folder under results/
 COMMITTED = [('charlevel/shakespeare', ['--device=cpu']),
-             ('study2x2/lr', ['--study=2x2', '--regime=lr', '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
-             ('study2x2/i', ['--study=2x2', '--regime=i', '--device=cpu', '--snapshot=damcha_full-seed1']),
-             ('study2x2/ii', ['--study=2x2', '--regime=ii', '--device=cpu']),
-             ('study2x2/iv', ['--study=2x2', '--regime=iv', '--variants=mha,proj,damcha', '--device=cpu']),
-             ('study2x2/iii', ['--study=2x2', '--regime=iii', '--variants=mha,proj,damcha', '--device=cpu']),
-             ('study2x2/lr6000', ['--study=2x2', '--regime=lr6000', '--variants=mha,proj,damcha',
-                                  '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
-             ('study2x2/lr_big', ['--study=2x2', '--regime=lr_big', '--variants=mha,proj,damcha',
-                                  '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
-             ('study2x2/ii_lr6000', ['--study=2x2', '--regime=ii_lr6000', '--variants=mha,proj,damcha', '--device=cpu']),
-             ('study2x2/big', ['--study=2x2', '--regime=big', '--variants=mha,proj,damcha', '--seeds=3', '--device=cpu'])]
+             ('study2x2/sweep_one_pass', ['--study=2x2', '--regime=sweep_one_pass', '--lr_grid=1e-3,2e-3,4e-3,8e-3',
+                                          '--device=cpu']),
+             ('study2x2/one_pass', ['--study=2x2', '--regime=one_pass', '--device=cpu', '--snapshot=damcha_full-seed1']),
+             ('study2x2/three_passes_dropout', ['--study=2x2', '--regime=three_passes_dropout', '--device=cpu']),
+             ('study2x2/one_pass_dropout', ['--study=2x2', '--regime=one_pass_dropout', '--variants=mha,proj,damcha',
+                                            '--device=cpu']),
+             ('study2x2/three_passes', ['--study=2x2', '--regime=three_passes', '--variants=mha,proj,damcha',
+                                        '--device=cpu']),
+             ('study2x2/sweep_three_passes_dropout', ['--study=2x2', '--regime=sweep_three_passes_dropout',
+                                                      '--variants=mha,proj,damcha', '--lr_grid=1e-3,2e-3,4e-3,8e-3',
+                                                      '--device=cpu']),
+             ('study2x2/sweep_d256', ['--study=2x2', '--regime=sweep_d256', '--variants=mha,proj,damcha',
+                                      '--lr_grid=1e-3,2e-3,4e-3,8e-3', '--device=cpu']),
+             ('study2x2/three_passes_dropout_own_rates', ['--study=2x2', '--regime=three_passes_dropout_own_rates',
+                                                          '--variants=mha,proj,damcha', '--device=cpu']),
+             ('study2x2/d256_three_passes_dropout', ['--study=2x2', '--regime=d256_three_passes_dropout',
+                                                     '--variants=mha,proj,damcha', '--seeds=3', '--device=cpu'])]
 
 
 @pytest.mark.slow
@@ -256,24 +266,24 @@ def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys, monkeypat
         with pytest.raises(SystemExit, match=words):
             reproduce.main(['--device=cpu', charlevel, f"--out_root={tmp_path / 'out'}", *more])
     study = [f"--results={tmp_path / 'results' / 'study2x2'}", f"--out_root={tmp_path / 'out'}"]
-    lr_summary = tmp_path / 'results' / 'study2x2' / 'lr' / 'summary.json'
+    lr_summary = tmp_path / 'results' / 'study2x2' / 'sweep_one_pass' / 'summary.json'
     lr = json.loads(lr_summary.read_text())
     lr_summary.write_text(json.dumps(lr | {'chosen_lr': lr['chosen_lr'] | {'mha': 0.002}}))   # chosen anew since
     with pytest.raises(SystemExit, match='mha-seed1 ran with learning_rate=0.004, not 0.002'):
-        reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', *study])
+        reproduce.main(['--study=2x2', '--regime=one_pass', '--device=cpu', *study])
     lr_summary.write_text(json.dumps(lr))
     with pytest.raises(SystemExit, match='ran with block_size=64, not 32'):
-        reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', '--block_size=32', *study])
-    mha_run = tmp_path / 'results' / 'study2x2' / 'i' / 'mha-seed1.eval.json'
+        reproduce.main(['--study=2x2', '--regime=one_pass', '--device=cpu', '--block_size=32', *study])
+    mha_run = tmp_path / 'results' / 'study2x2' / 'one_pass' / 'mha-seed1.eval.json'
     recorded = mha_run.read_text()
     mha_run.write_text(json.dumps(json.loads(recorded) | {'seed': 2}))   # another seed's run under this name
     with pytest.raises(SystemExit, match='mha-seed1 ran with seed=2, not 1'):
-        reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', *study])
+        reproduce.main(['--study=2x2', '--regime=one_pass', '--device=cpu', *study])
     mha_run.write_text(recorded)
-    other = tmp_path / 'results' / 'study2x2' / 'i' / 'damcha-seed1.eval.json'   # a variant this process does not run
+    other = tmp_path / 'results' / 'study2x2' / 'one_pass' / 'damcha-seed1.eval.json'   # a variant this process does not run
     other.write_text(json.dumps(json.loads(other.read_text()) | {'params': 123}))
     with pytest.raises(SystemExit, match='damcha-seed1 ran with params=123, not '):
-        reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', '--variants=mha', *study])
+        reproduce.main(['--study=2x2', '--regime=one_pass', '--device=cpu', '--variants=mha', *study])
     damcha = tmp_path / 'results' / 'charlevel' / 'shakespeare' / 'damcha-seed1.eval.json'   # another variant's
     damcha.write_text(json.dumps(json.loads(damcha.read_text()) | {'params': 123}))   # as a run of another model records
     with pytest.raises(SystemExit, match='damcha-seed1 ran with params=123, not '):
@@ -281,13 +291,13 @@ def test_committed_summaries_are_what_a_rerun_writes(tmp_path, capsys, monkeypat
     damcha.write_text('')
     with pytest.raises(SystemExit, match='damcha-seed1.eval.json is not readable JSON'):
         reproduce.main(['--device=cpu', '--variants=mha', charlevel, f"--out_root={tmp_path / 'out'}"])
-    (tmp_path / 'results' / 'study2x2' / 'i' / 'mha-seed1.eval.json').write_text('{"iter": 18')   # a damaged one
+    (tmp_path / 'results' / 'study2x2' / 'one_pass' / 'mha-seed1.eval.json').write_text('{"iter": 18')   # a damaged one
     with pytest.raises(SystemExit, match='mha-seed1.eval.json is not readable JSON'):
-        reproduce.main(['--study=2x2', '--regime=i', '--device=cpu', *study])
+        reproduce.main(['--study=2x2', '--regime=one_pass', '--device=cpu', *study])
     for damaged in ('"x"', '0'):
         lr_summary.write_text('{"chosen_lr": {"mha": %s}}' % damaged)
         with pytest.raises(SystemExit, match='is damaged: its chosen_lr should map variants to learning rates'):
-            reproduce.main(['--study=2x2', '--regime=ii', '--device=cpu', *study])
+            reproduce.main(['--study=2x2', '--regime=three_passes_dropout', '--device=cpu', *study])
 
 
 def test_a_checkpoint_past_the_asked_iterations_is_refused_not_evaluated(tmp_path, monkeypatch):
@@ -319,22 +329,22 @@ def test_settings_reproduce_sets_for_each_run_are_refused():
 def test_options_that_would_be_dropped_are_refused():
     """An option that would change nothing is refused, not dropped: the study's options without
     --study (which would start the long sweep instead), a --snapshot that names no run."""
-    for args, words in ((['--regime=ii'], '--regime is the 2x2 study\'s: add --study=2x2'),
+    for args, words in ((['--regime=three_passes_dropout'], '--regime is the 2x2 study\'s: add --study=2x2'),
                         (['--lr_grid=9'], '--lr_grid is the 2x2 study\'s: add --study=2x2'),
                         (['--snapshot=bogus'], "snapshot='bogus' names no run of these settings (runs are named like mha-seed1)"),
                         (['--snapshot=damcha-seed4'], "names no run of these settings"),
-                        (['--study=2x2', '--regime=lr', '--snapshot=mha-seed1'], "(runs are named like mha-lr0.001)")):
+                        (['--study=2x2', '--regime=sweep_one_pass', '--snapshot=mha-seed1'], "(runs are named like mha-lr0.001)")):
         with pytest.raises(SystemExit, match=re.escape(words)):
             reproduce.parse_options(args)
     assert reproduce.parse_options(['--snapshot=damcha-seed3'])[0]['snapshot'] == 'damcha-seed3'
-    assert reproduce.parse_options(['--study=2x2', '--regime=lr', '--snapshot=proj-lr0.002'])[0]['snapshot'] == 'proj-lr0.002'
+    assert reproduce.parse_options(['--study=2x2', '--regime=sweep_one_pass', '--snapshot=proj-lr0.002'])[0]['snapshot'] == 'proj-lr0.002'
     assert reproduce.parse_options(['--snapshot='])[0]['snapshot'] == ''
 
 
 @pytest.mark.slow
-def test_study_2x2_lr_sweep_then_regime_i(tmp_path, in_process, monkeypatch):
+def test_study_2x2_lr_sweep_then_one_pass(tmp_path, in_process, monkeypatch):
     """--study=2x2: the LR sweep trains on the training split's own 90/5/5 split (never val) at the
-    full corpus's vocabulary, chooses a rate per variant, and regime i trains at it, records the
+    full corpus's vocabulary, chooses a rate per variant, and regime one_pass trains at it, records the
     commit, evaluates the Table 3 model with blocks=diag and offdiag, and writes the paired intervals.
     Its runs and their evaluations are calls in this process (lab_runs_in_process)."""
     lab_runs_in_process(monkeypatch)
@@ -342,28 +352,28 @@ def test_study_2x2_lr_sweep_then_regime_i(tmp_path, in_process, monkeypatch):
             '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=1024', '--max_new_tokens=2', '--device=cpu',
             '--variants=mha,damcha_full', f"--results={tmp_path / 'results'}", f"--out_root={tmp_path / 'out'}",
             f"--data_dir={tmp_path / 'data'}"]
-    assert 'run the learning-rate sweep first' in refusal(*args, '--regime=i')
-    in_process(args + ['--regime=lr', '--lr_grid=1e-3,3e-3'])
-    lr = json.loads((tmp_path / 'results' / 'lr' / 'summary.json').read_text())
+    assert 'run the learning-rate sweep first' in refusal(*args, '--regime=one_pass')
+    in_process(args + ['--regime=sweep_one_pass', '--lr_grid=1e-3,3e-3'])
+    lr = json.loads((tmp_path / 'results' / 'sweep_one_pass' / 'summary.json').read_text())
     for v in ('mha', 'damcha_full'):
         scores = lr['held_out_bpc'][v]
         assert lr['chosen_lr'][v] == float(min(scores, key=scores.get))
-        run_eval = json.loads((tmp_path / 'results' / 'lr' / f'{v}-lr0.001.eval.json').read_text())
+        run_eval = json.loads((tmp_path / 'results' / 'sweep_one_pass' / f'{v}-lr0.001.eval.json').read_text())
         assert run_eval['dataset'].endswith('shakespeare_train.txt') and run_eval['commit']
     [held_out_meta] = (tmp_path / 'data').glob('shakespeare_train-*/meta.json')   # a text file's folder: <stem>-<digest>
     held_out = json.loads(held_out_meta.read_text())['splits']
     train = json.loads((tmp_path / 'data' / 'shakespeare' / 'meta.json').read_text())['splits']['train']
     assert sum(held_out.values()) == train   # the held-out slice is part of the training split
-    in_process(args + ['--regime=i'])
-    summary = json.loads((tmp_path / 'results' / 'i' / 'summary.json').read_text())
+    in_process(args + ['--regime=one_pass'])
+    summary = json.loads((tmp_path / 'results' / 'one_pass' / 'summary.json').read_text())
     rows = {r['variant']: r for r in summary['rows']}
     assert rows['mha']['lr'] == lr['chosen_lr']['mha'] and rows['damcha_full']['runs'] == 1
     assert abs(rows['damcha_full']['rel_params_vs_mha']) < 0.02
     assert len(rows['damcha_full']['val_bpc_diag']) == len(rows['damcha_full']['val_bpc_offdiag']) == 1
-    [run_eval] = [json.loads(p.read_text()) for p in (tmp_path / 'results' / 'i').glob('damcha_full-*.eval.json')]
+    [run_eval] = [json.loads(p.read_text()) for p in (tmp_path / 'results' / 'one_pass').glob('damcha_full-*.eval.json')]
     assert len({run_eval['val_bpc'], run_eval['val_bpc_diag'], run_eval['val_bpc_offdiag']}) == 3   # three models scored
     assert rows['mha']['diff_equal_steps'] == [0.0, None]
-    assert in_process(args + ['--regime=i']).count('skip ') == 2
+    assert in_process(args + ['--regime=one_pass']).count('skip ') == 2
 
 
 def test_study_contrasts_pair_runs_of_the_same_seed():
@@ -412,8 +422,8 @@ def test_settings_that_would_run_nothing_or_fail_late_are_refused_first(tmp_path
     assert 'variants names no variant' in refusal('--variants=', results)
     assert 'variants names no variant' in refusal('--variants=,', results)
     for grid in ('abc', '-1e-3', 'nan', ''):
-        assert f"lr_grid={grid!r}: give positive learning rates" in refusal('--study=2x2', '--regime=lr', f'--lr_grid={grid}')
-    assert 'takes no --dataset' in refusal('--study=2x2', '--regime=lr', '--dataset=notes.txt')
+        assert f"lr_grid={grid!r}: give positive learning rates" in refusal('--study=2x2', '--regime=sweep_one_pass', f'--lr_grid={grid}')
+    assert 'takes no --dataset' in refusal('--study=2x2', '--regime=sweep_one_pass', '--dataset=notes.txt')
     assert 'n_embd (30) must be divisible by n_head (4)' in refusal('--n_embd=30', '--device=cpu', results)
     (tmp_path / 'a_file').write_text('')
     assert 'Not a directory' in refusal('--device=cpu', '--variants=mha', '--seeds=1', f"--data_dir={tmp_path / 'data'}",
@@ -546,7 +556,7 @@ def test_seed_summary_pairs_each_seed_with_mha(tmp_path, capsys):
     write_run(tmp_path, 'damcha-seed2', 2.2, [(0, 3.0), (10, 2.2)])
     variants = ['mha', 'damcha']
     reproduce.seed_summary(variants, 2, {v: {} for v in variants}, {v: 100 for v in variants},
-                           {v: 1e-3 for v in variants}, str(tmp_path), 'i', 'c')
+                           {v: 1e-3 for v in variants}, str(tmp_path), 'one_pass', 'c')
     rows = {r['variant']: r for r in json.loads((tmp_path / 'summary.json').read_text())['rows']}
     damcha = rows['damcha']
     assert damcha['val_bpc'] == [2.1, 2.2] and damcha['val_bpc_mean'] == pytest.approx(2.15)
@@ -557,7 +567,7 @@ def test_seed_summary_pairs_each_seed_with_mha(tmp_path, capsys):
     assert rows['mha']['diff_equal_steps'] == [0.0, 0.0]
     # a regime whose runs shared the machine: its times are load, so no equal-time difference nor minutes
     reproduce.seed_summary(variants, 2, {v: {} for v in variants}, {v: 100 for v in variants},
-                           {v: 1e-3 for v in variants}, str(tmp_path), 'iii', 'c')
+                           {v: 1e-3 for v in variants}, str(tmp_path), 'three_passes', 'c')
     rows = {r['variant']: r for r in json.loads((tmp_path / 'summary.json').read_text())['rows']}
     assert 'diff_equal_time' not in rows['damcha'] and 'minutes' not in rows['damcha']
     assert rows['damcha']['diff_equal_steps'][0] == pytest.approx(0.05)
@@ -569,49 +579,51 @@ def test_factor_effects_of_passes_and_dropout(tmp_path, capsys):
     """Each factor's effect on a variant's difference to MHA, over the seeds that finished all four
     cells: d = variant - mha per regime; passes and dropout are the mean changes across the other
     factor's two levels, the interaction the change of the passes effect with dropout."""
-    d = dict(i=0.06, iv=0.10, iii=0.00, ii=-0.03)   # proj - mha in each cell, plus 0.001 * seed in ii
+    # proj - mha in each cell, plus 0.001 * seed in three_passes_dropout
+    d = dict(one_pass=0.06, one_pass_dropout=0.10, three_passes=0.00, three_passes_dropout=-0.03)
     for regime, diff in d.items():
         (tmp_path / regime).mkdir()
         for s in (1, 2, 3):
-            bpc = dict(mha=2.5 + 0.01 * s, proj=2.5 + 0.01 * s + diff + 0.001 * s * (regime == 'ii'),
-                       damcha=2.6 + 0.01 * s)
+            bpc = dict(mha=2.5 + 0.01 * s, damcha=2.6 + 0.01 * s,
+                       proj=2.5 + 0.01 * s + diff + 0.001 * s * (regime == 'three_passes_dropout'))
             for v in ('mha', 'proj', 'damcha'):
-                if not (regime == 'iii' and v == 'proj' and s == 3):   # proj's third seed has not finished all four
+                if not (regime == 'three_passes' and v == 'proj' and s == 3):   # proj's third seed has not finished all four
                     (tmp_path / regime / f'{v}-seed{s}.eval.json').write_text(json.dumps(dict(val_bpc=bpc[v], commit='c')))
     reproduce.factor_effects(str(tmp_path))
     rows = {r['variant']: r for r in json.loads((tmp_path / 'factors.json').read_text())['rows']}
     proj = rows['proj']
     assert proj['seeds'] == [1, 2]
-    assert proj['diffs']['iv'] == [pytest.approx(0.10), pytest.approx(0.10)]
+    assert proj['diffs']['one_pass_dropout'] == [pytest.approx(0.10), pytest.approx(0.10)]
     assert proj['effects']['passes'][0] == pytest.approx((0.00 - 0.03 + 0.0015 - 0.06 - 0.10) / 2)
     assert proj['effects']['dropout'][0] == pytest.approx((0.10 - 0.03 + 0.0015 - 0.06 - 0.00) / 2)
     assert proj['effects']['interaction'][0] == pytest.approx((-0.03 + 0.0015 - 0.10) - (0.00 - 0.06))
-    assert proj['effects']['passes'][1] > 0   # seeds 1 and 2 differ in ii: an interval of some width
+    assert proj['effects']['passes'][1] > 0   # seeds 1 and 2 differ in three_passes_dropout: an interval of some width
     assert rows['damcha']['seeds'] == [1, 2, 3]
     assert all(rows['damcha']['effects'][k] == [pytest.approx(0.0), pytest.approx(0.0, abs=1e-12)]
                for k in ('passes', 'dropout', 'interaction'))
     assert '| proj - mha | 2 |' in (tmp_path / 'factors.md').read_text()
-    (tmp_path / 'iii' / 'mha-seed1.eval.json').unlink()
-    (tmp_path / 'iii' / 'mha-seed2.eval.json').unlink()
-    (tmp_path / 'iii' / 'mha-seed3.eval.json').unlink()
+    (tmp_path / 'three_passes' / 'mha-seed1.eval.json').unlink()
+    (tmp_path / 'three_passes' / 'mha-seed2.eval.json').unlink()
+    (tmp_path / 'three_passes' / 'mha-seed3.eval.json').unlink()
     (tmp_path / 'factors.json').unlink()
     reproduce.factor_effects(str(tmp_path))   # no seed has every cell: nothing is written
     assert not (tmp_path / 'factors.json').exists()
 
 
 def test_the_larger_model_trains_at_the_rates_of_its_own_sweep(tmp_path):
-    """Regime big takes its rates from lr_big, not from the small model's sweep."""
+    """Regime d256_three_passes_dropout takes its rates from sweep_d256, not from the small model's sweep."""
     study = tmp_path / 'study'
-    for sweep, rate in (('lr', 0.004), ('lr_big', 0.001)):
+    for sweep, rate in (('sweep_one_pass', 0.004), ('sweep_d256', 0.001)):
         (study / sweep).mkdir(parents=True)
         (study / sweep / 'summary.json').write_text(json.dumps({'chosen_lr': {'mha': rate}}))
-    assert reproduce.chosen_rates(str(study), 'lr_big') == {'mha': 0.001}
-    assert reproduce.RATES_FROM['big'] == 'lr_big' and reproduce.REGIMES['big']['n_embd'] == 256
-    (study / 'lr_big' / 'summary.json').unlink()
-    with pytest.raises(SystemExit, match=r'lr_big.summary\.json does not exist: run the learning-rate sweep first '
-                                         r'\(--regime=lr_big\)'):
-        reproduce.main(['--study=2x2', '--regime=big', '--variants=mha', '--device=cpu', f'--results={study}',
-                        f"--out_root={tmp_path / 'out'}"])
+    assert reproduce.chosen_rates(str(study), 'sweep_d256') == {'mha': 0.001}
+    assert reproduce.RATES_FROM['d256_three_passes_dropout'] == 'sweep_d256'
+    assert reproduce.REGIMES['d256_three_passes_dropout']['n_embd'] == 256
+    (study / 'sweep_d256' / 'summary.json').unlink()
+    with pytest.raises(SystemExit, match=r'sweep_d256.summary\.json does not exist: run the learning-rate sweep first '
+                                         r'\(--regime=sweep_d256\)'):
+        reproduce.main(['--study=2x2', '--regime=d256_three_passes_dropout', '--variants=mha', '--device=cpu',
+                        f'--results={study}', f"--out_root={tmp_path / 'out'}"])
 
 
 def test_welch_interval_of_two_independent_samples():
@@ -621,38 +633,40 @@ def test_welch_interval_of_two_independent_samples():
     assert reproduce.welch_interval([2.0], [1.0, 2.0]) == (pytest.approx(0.5), None)
 
 
-def test_changes_from_ii_pair_the_rates_by_seed_and_compare_the_scales_unpaired(tmp_path):
-    """Each contrast in regime ii (5 seeds), at the rates of the longer sweep (3 of the same seeds: their
-    change is paired) and in the larger model (3 seeds of its own: the change of the means, Welch);
-    nothing is written before regime ii and another have a seed of both sides of a contrast."""
+def test_changes_from_three_passes_dropout_pair_the_rates_by_seed_and_compare_the_scales_unpaired(tmp_path):
+    """Each contrast in three_passes_dropout (5 seeds), at the rates of the longer sweep (3 of the
+    same seeds: their change is paired) and in the larger model (3 seeds of its own: the change of
+    the means, Welch); nothing is written before three_passes_dropout and another have a seed of both
+    sides of a contrast."""
     def write(regime, diffs, variants=('mha', 'proj')):
         (tmp_path / regime).mkdir(exist_ok=True)
         for s, diff in enumerate(diffs, 1):
             for v, bpc in zip(variants, (2.3 + 0.01 * s, 2.3 + 0.01 * s + diff)):
                 (tmp_path / regime / f'{v}-seed{s}.eval.json').write_text(json.dumps(dict(val_bpc=bpc, commit='c')))
-    write('ii', [-0.020, -0.030, -0.010, -0.025, -0.015])
-    reproduce.changes_from_ii(str(tmp_path))
+    write('three_passes_dropout', [-0.020, -0.030, -0.010, -0.025, -0.015])
+    reproduce.changes_from_three_passes_dropout(str(tmp_path))
     assert not (tmp_path / 'changes.json').exists()
-    write('ii_lr6000', [0.010, -0.010, 0.020])
-    write('big', [-0.050, -0.040, -0.060])
-    reproduce.changes_from_ii(str(tmp_path))
+    write('three_passes_dropout_own_rates', [0.010, -0.010, 0.020])
+    write('d256_three_passes_dropout', [-0.050, -0.040, -0.060])
+    reproduce.changes_from_three_passes_dropout(str(tmp_path))
     [row] = json.loads((tmp_path / 'changes.json').read_text())['rows']
-    assert row['contrast'] == 'proj - mha' and [len(row['diffs'][r]) for r in ('ii', 'ii_lr6000', 'big')] == [5, 3, 3]
-    per_seed = [0.010 + 0.020, -0.010 + 0.030, 0.020 + 0.010]       # ii_lr6000 - ii, seed by seed
-    assert row['change']['ii_lr6000'] == pytest.approx(list(reproduce.interval(per_seed)))
-    assert row['change']['big'] == pytest.approx([-0.050 - (-0.020), reproduce.welch_interval(
+    assert row['contrast'] == 'proj - mha' and [len(row['diffs'][r]) for r in (
+        'three_passes_dropout', 'three_passes_dropout_own_rates', 'd256_three_passes_dropout')] == [5, 3, 3]
+    per_seed = [0.010 + 0.020, -0.010 + 0.030, 0.020 + 0.010]       # own rates - first rates, seed by seed
+    assert row['change']['three_passes_dropout_own_rates'] == pytest.approx(list(reproduce.interval(per_seed)))
+    assert row['change']['d256_three_passes_dropout'] == pytest.approx([-0.050 - (-0.020), reproduce.welch_interval(
         [-0.050, -0.040, -0.060], [-0.020, -0.030, -0.010, -0.025, -0.015])[1]])
     assert '| proj - mha | 5, -0.0200 [' in (tmp_path / 'changes.md').read_text()
 
     # damcha's seeds against MHA's give damcha - proj as damcha's bpc minus proj's, seed by seed
-    write('ii', [0.10, 0.12, 0.08, 0.11, 0.09], variants=('mha', 'damcha'))
-    write('big', [0.10, 0.12, 0.08], variants=('mha', 'damcha'))
-    reproduce.changes_from_ii(str(tmp_path))
+    write('three_passes_dropout', [0.10, 0.12, 0.08, 0.11, 0.09], variants=('mha', 'damcha'))
+    write('d256_three_passes_dropout', [0.10, 0.12, 0.08], variants=('mha', 'damcha'))
+    reproduce.changes_from_three_passes_dropout(str(tmp_path))
     rows = {r['contrast']: r for r in json.loads((tmp_path / 'changes.json').read_text())['rows']}
     assert list(rows) == ['proj - mha', 'damcha - mha', 'damcha - proj']
-    assert rows['damcha - proj']['diffs']['big'] == pytest.approx([0.150, 0.160, 0.140])
-    assert rows['damcha - proj']['diffs']['ii_lr6000'] == []
-    assert rows['damcha - proj']['change']['big'] == pytest.approx(list(reproduce.welch_interval(
+    assert rows['damcha - proj']['diffs']['d256_three_passes_dropout'] == pytest.approx([0.150, 0.160, 0.140])
+    assert rows['damcha - proj']['diffs']['three_passes_dropout_own_rates'] == []
+    assert rows['damcha - proj']['change']['d256_three_passes_dropout'] == pytest.approx(list(reproduce.welch_interval(
         [0.150, 0.160, 0.140], [0.120, 0.150, 0.090, 0.135, 0.105])))
     assert '| damcha - proj | 5, +0.1200 [' in (tmp_path / 'changes.md').read_text()
 

@@ -380,28 +380,33 @@ def weight_decay_shrink(lrs, weight_decay):
         "factor_effects": [
             ("the sums without the 1/2", """
 def factor_effects(d):
-    i, iv, iii, ii = (d[r] for r in ("i", "iv", "iii", "ii"))
-    return dict(passes=iii + ii - i - iv, dropout=iv + ii - i - iii, interaction=(ii - iv) - (iii - i))
+    one, one_dropout, three, three_dropout = (d[r] for r in ("one_pass", "one_pass_dropout", "three_passes", "three_passes_dropout"))
+    return dict(passes=three + three_dropout - one - one_dropout, dropout=one_dropout + three_dropout - one - three,
+                interaction=(three_dropout - one_dropout) - (three - one))
 """),
             ("the interaction's sign flipped", """
 def factor_effects(d):
-    i, iv, iii, ii = (d[r] for r in ("i", "iv", "iii", "ii"))
-    return dict(passes=(iii + ii - i - iv) / 2, dropout=(iv + ii - i - iii) / 2, interaction=(iii - i) - (ii - iv))
+    one, one_dropout, three, three_dropout = (d[r] for r in ("one_pass", "one_pass_dropout", "three_passes", "three_passes_dropout"))
+    return dict(passes=(three + three_dropout - one - one_dropout) / 2, dropout=(one_dropout + three_dropout - one - three) / 2,
+                interaction=(three - one) - (three_dropout - one_dropout))
 """),
             ("passes and dropout swapped", """
 def factor_effects(d):
-    i, iv, iii, ii = (d[r] for r in ("i", "iv", "iii", "ii"))
-    return dict(passes=(iv + ii - i - iii) / 2, dropout=(iii + ii - i - iv) / 2, interaction=(ii - iv) - (iii - i))
+    one, one_dropout, three, three_dropout = (d[r] for r in ("one_pass", "one_pass_dropout", "three_passes", "three_passes_dropout"))
+    return dict(passes=(one_dropout + three_dropout - one - three) / 2, dropout=(three + three_dropout - one - one_dropout) / 2,
+                interaction=(three_dropout - one_dropout) - (three - one))
 """),
             ("the means over the seeds, not one value per seed (the wrong shape)", """
 def factor_effects(d):
-    i, iv, iii, ii = (d[r].mean() for r in ("i", "iv", "iii", "ii"))
-    return dict(passes=(iii + ii - i - iv) / 2, dropout=(iv + ii - i - iii) / 2, interaction=(ii - iv) - (iii - i))
+    one, one_dropout, three, three_dropout = (d[r].mean() for r in ("one_pass", "one_pass_dropout", "three_passes", "three_passes_dropout"))
+    return dict(passes=(three + three_dropout - one - one_dropout) / 2, dropout=(one_dropout + three_dropout - one - three) / 2,
+                interaction=(three_dropout - one_dropout) - (three - one))
 """),
             ("a forgotten return (None)", """
 def factor_effects(d):
-    i, iv, iii, ii = (d[r] for r in ("i", "iv", "iii", "ii"))
-    dict(passes=(iii + ii - i - iv) / 2, dropout=(iv + ii - i - iii) / 2, interaction=(ii - iv) - (iii - i))
+    one, one_dropout, three, three_dropout = (d[r] for r in ("one_pass", "one_pass_dropout", "three_passes", "three_passes_dropout"))
+    dict(passes=(three + three_dropout - one - one_dropout) / 2, dropout=(one_dropout + three_dropout - one - three) / 2,
+         interaction=(three_dropout - one_dropout) - (three - one))
 """),
         ],
     },
