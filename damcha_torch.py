@@ -116,13 +116,6 @@ class Generator(nn.ModuleList):
                          for n_in, n_out in zip(sizes, sizes[1:]))
         self.config = config
 
-    def __getitem__(self, idx):
-        # ModuleList rebuilds a slice as its own class, which takes a config, not layers: a slice
-        # (gen[:-1], the hidden layers) is a plain ModuleList of the same layers
-        if isinstance(idx, slice):
-            return nn.ModuleList(list(self)[idx])
-        return super().__getitem__(idx)
-
     def forward(self, u):
         H = self.config.n_head
         dh = self.config.n_embd // H

@@ -58,6 +58,18 @@ class RunFolder:
                 f"{' (a link to a missing file)' * os.path.islink(self.ckpt_path)}: it cannot be "
                 "resumed; move the logs away, or choose another --out_dir")
 
+    def hold_for_resume(self):
+        """A resume takes the folder before it reads the checkpoint, so that the checkpoint cannot
+        change meanwhile (a folder that is not there holds none: the resume's own line says so)."""
+        if os.path.isdir(self.dir):
+            self.lock()
+
+    def claim_for_a_new_run(self):
+        """A new run takes the folder once its input is checked, so that no folder is made for a
+        bad flag, and looks again for another run's files: one may have ended meanwhile."""
+        self.lock()
+        self.refuse_fresh_start()
+
     def lock(self):
         """Hold out_dir for this run: an exclusive flock on train.lock, which the kernel releases
         when the process ends in any way, SIGKILL included, so it never goes stale. The file names
@@ -109,8 +121,6 @@ class RunFolder:
         checkpoint at k is saved after the evaluation at k and before the step of k, which the
         resumed run takes again: log.jsonl keeps iter <= k and train_log.jsonl iter < k, so no
         line is repeated or lost."""
-        if resumed:
-            self.saved_iter = k
         for name, keep in (('log.jsonl', lambda it: it <= k),
                            ('train_log.jsonl', lambda it: it < k)):
             path = self.path(name)

@@ -2,8 +2,8 @@
 shell.py: how every script meets the shell. Bad input ends a script with one line on stderr (die),
 never a traceback; SIGTERM and SIGHUP stop it as Ctrl-C does; a closed pipe (`... | head`) is not
 an error; an output encoding that lacks a character prints '?'; each way of ending has the exit
-status a shell expects (exit_status, DIVERGED). Plumbing, off the reading path of the model and its
-training: a script wraps its main in one_line_errors and signals_as_ctrl_c and calls die.
+status a shell expects (exit_status, DIVERGED). A script wraps its main in one_line_errors and
+signals_as_ctrl_c, and calls die.
 """
 import errno
 import io
@@ -73,6 +73,7 @@ def why(e):
         cause = cause.__cause__ or cause.__context__
     return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
+
 def out_of_memory(e, settings):
     """One line naming the settings to lower, if e is memory running out (MemoryError, CUDA's
     OutOfMemoryError, the CPU allocator's RuntimeError); else nothing."""
@@ -80,6 +81,7 @@ def out_of_memory(e, settings):
             s in str(e) for s in ("can't allocate memory", 'not enough memory')):
         die(f"out of memory ({' '.join(str(e).split())[:120] or type(e).__name__}): "
             f"lower {settings}")
+
 
 @contextmanager
 def one_line_errors(memory_settings):

@@ -16,9 +16,8 @@ data/<name>/. A run writes out_dir/ckpt.pt, log.jsonl (each evaluation) and trai
 iteration) through run_folder.RunFolder, which keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP
 stops a run, saying where a resume starts. eval_char.py evaluates, samples from and plots the runs.
 
-The reading path, the files that hold the model and its training: this file, damcha_torch.py (the
-model), run_folder.py, checkpoint.py, configurator.py, device.py, shell.py, data/dataset.py and
-data/prepare.py (tests/test_repo.py checks the list against the real imports).
+The reading path, the files that hold the model and its training, is what this file imports: the
+README lists it.
 """
 import dataclasses
 import inspect
@@ -167,7 +166,7 @@ def show_config(cfg, given, attentions):
     """The settings a run of these arguments starts from, as JSON, refused as the run would
     refuse them."""
     cfg, *_ = plan(cfg, given, attentions)
-    dataset.corpora(cfg['dataset'], cfg['data_dir'])   # a dataset that is neither named nor a file
+    dataset.corpus_names(cfg['dataset'], cfg['data_dir'])   # a dataset neither named nor a file
     print(json.dumps(cfg, indent=2))
 
 
@@ -246,9 +245,11 @@ def train(cfg, given, run, attentions):
     master = rank == 0   # rank 0 alone evaluates, logs and saves
     if cfg['init_from'] == 'scratch':
         run.refuse_fresh_start()
-    elif master and os.path.isdir(run.dir):
-        run.lock()   # before the checkpoint is read, so that it cannot change meanwhile
+    elif master:
+        run.hold_for_resume()
     cfg, model_args, ckpt, snapshots = plan(cfg, given, attentions)
+    if ckpt is not None:
+        run.saved_iter = ckpt['iter_num']   # where a resume of this run would start, until it saves
 
     # this process: its device and precision, and torchrun's process group
     if cfg['gradient_accumulation_steps'] % world:
@@ -278,9 +279,8 @@ def train(cfg, given, run, attentions):
     devices.check_fits(cfg, 'batch_size', device, training=True)   # one line, not out of memory
     devices.check_fits(cfg, 'num_samples', device)   # the samples after training come together
     prompt = dataset.encode(cfg['start'], vocab, model_args['block_size'])
-    if master and ckpt is None:   # a new run takes out_dir once its input is checked (no folder
-        run.lock()                # made for a bad flag), and looks again for a run that ended
-        run.refuse_fresh_start()
+    if master and ckpt is None:
+        run.claim_for_a_new_run()
     if master:
         if ckpt is not None:
             print(f"resuming from {run.ckpt_path} at iter {ckpt['iter_num']}")
@@ -416,8 +416,10 @@ def train(cfg, given, run, attentions):
         print(f"done: iter {iter_num}, {time.time() - t_run:.0f} s of training; best val loss "
               f"{best_val_loss:.4f} ({best_val_loss / LN2:.4f} bpc)")
         sample(raw_model, prompt, vocab, cfg, device, ctx)
-    if ddp:   # all processes tear the group down together, so that none exits while rank 0 still
-        dist.barrier()   # saves and samples: a process group whose members leave early aborts
+    if ddp:
+        # all processes tear the group down together, so that none exits while rank 0 still saves
+        # and samples: a process group whose members leave early aborts the others
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from data.prepare import corpora, prepare
+from data.prepare import corpus_names, prepare
 from shell import die
 
 
@@ -31,7 +31,7 @@ def load_dataset(name, data_dir='', vocab=None):
     """(corpora, vocabulary): a Corpus per corpus of the dataset (mix has two), prepared on first
     use. The vocabulary, a list of byte values, is the union of the corpora's unless a checkpoint
     fixes it."""
-    names = corpora(name, data_dir)
+    names = corpus_names(name, data_dir)
     metas, mapped = zip(*(verified(n, data_dir) for n in names))
     if vocab is None:
         vocab = sorted(set().union(*(m['vocab'] for m in metas)))

@@ -247,7 +247,7 @@ def text_file_dir(path, data_dir):
     return os.path.join(data_dir, f'{stem}-{hashlib.sha256(full).hexdigest()[:8]}')
 
 
-def corpora(name, data_dir=''):
+def corpus_names(name, data_dir=''):
     """The corpora a dataset stands for (mix: enwik8 and text8), each checked to be a named
     dataset or a usable text file before anything is downloaded or prepared."""
     names = MIX if name == 'mix' else (name,)
@@ -264,7 +264,7 @@ def main(argv):
         die("name the datasets to prepare: shakespeare, enwik8, text8, mix or a text file")
     try:
         # all checked first
-        expanded = [n for name in names for n in corpora(name, options['data_dir'])]
+        expanded = [n for name in names for n in corpus_names(name, options['data_dir'])]
         for n in dict.fromkeys(expanded):   # each once: `enwik8 mix` prepares enwik8 once
             meta = prepare(n, options['data_dir'])
             print(f"{n}: {meta['dir']}: "

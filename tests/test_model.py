@@ -146,13 +146,6 @@ def test_shared_generator_runs_once_per_forward():
     assert not any(".attn.gen." in name for name in model.state_dict())
 
 
-def test_a_slice_of_the_generator_is_its_layers():
-    model = GPT(GPTConfig(**dict(TINY, gen_depth=3)))
-    hidden = model.gen[:-1]
-    assert list(hidden) == list(model.gen)[:2] and model.gen[-1] is list(model.gen)[2]
-    assert hidden[0].weight is model.gen[0].weight
-
-
 def test_unshared_model_has_one_generator_per_layer():
     model = GPT(GPTConfig(**dict(TINY, n_layer=3), share=False))
     calls = generator_calls(model)
