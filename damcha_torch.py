@@ -44,8 +44,9 @@ class GPTConfig:
     attn_dropout: float = 0.0   # dropout of the attention probabilities (NumPy, triton: 0 only)
     kernel: str = "torch"    # DAMCHA attention: "torch" (Eq. 5 product + SDPA) | "triton"
                              # (damcha_triton.py, fused)
-    # The next two are the 2x2 study's (results/study2x2): how the metric starts, and the MLP
-    # width that trades parameters between models. Every checkpoint's model_args holds them.
+    # Two choices of the model the paper leaves open: how the metric starts (identity: every
+    # head begins as dot-product attention on its own slice), and the MLP's width, which trades
+    # parameters between models compared at equal size (the 2x2 study uses both).
     metric_init: str = "normal"  # "normal": N(0, 0.02) as every weight; "identity": m_i = I
     mlp_hidden: int = 0      # the MLP's hidden width; 0: 4 * n_embd
 
