@@ -168,7 +168,7 @@ def test_dcmha_starts_near_mha():
 # DCMHA's composition
 
 def compose_loop(A, query, key):
-    """The formula of issue 7, entry by entry:
+    """DCMHA's composition formula (compose's docstring), entry by entry:
     C(A)[n,t,s] = A[n,t,s] + sum_r w2_q(t)[r,n] sum_m w1_q(t)[r,m] A[m,t,s]
                            + sum_r w2_k(s)[r,n] sum_m w1_k(s)[r,m] A[m,t,s]
                            + d_q(t)[n] A[n,t,s] + d_k(s)[n] A[n,t,s]"""

@@ -36,7 +36,7 @@ VARIANTS = {
 
 
 def close(analytic, numeric):
-    # the bar: within 1e-8 + 1e-5 |g|
+    # the gradient check's bar: within 1e-8 + 1e-5 |g|
     return np.all(np.abs(analytic - numeric) <= 1e-8 + 1e-5 * np.abs(numeric))
 
 

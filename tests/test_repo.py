@@ -553,3 +553,14 @@ def test_no_dates_machines_or_past_runs_in_source_comments():
                 offences += [f"{path}:{start + line - 1}: {match!r}: {why}" for line, match, why in records(text)]
     assert not offences, ("records in comments or docstrings (a comment says why; what was measured when belongs in "
                           "results/<name>/README.md):\n" + "\n".join(offences))
+
+
+def test_tests_say_what_they_test_not_which_issue_asked():
+    """A clone has no tracker: a test's docstring or comment names what it checks, never an issue."""
+    asked = re.compile(r"\b(?:issue|ticket)\s*#?\d+|\bthe issue'?s?\b", re.IGNORECASE)
+    offences = [f"{path}:{n}: {line.strip()}" for path in tracked_files()
+                if path.startswith("tests/") and path.endswith(".py")
+                for n, line in enumerate(read_text(path).splitlines(), 1)
+                if asked.search(line) and "asked = re.compile" not in line]
+    assert not offences, "tests that cite the tracker:\n" + "\n".join(offences)
+
