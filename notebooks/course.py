@@ -174,7 +174,8 @@ def compare_plot(by_variant, variants, colors):
                                        gridspec_kw=dict(width_ratios=[1.2] + [1] * (1 + timed)))
     for k, v in enumerate(variants):
         r = by_variant[v]
-        left.scatter([k] * len(r["val_bpc"]), r["val_bpc"], color=colors[v], s=18)
+        n = len(r["val_bpc"])   # the seeds spread a little along x, so that equal scores do not hide each other
+        left.scatter(k + np.linspace(-0.12, 0.12, n) if n > 1 else [k], r["val_bpc"], color=colors[v], s=18)
         left.plot([k - 0.25, k + 0.25], [r["val_bpc_mean"]] * 2, color=colors[v], lw=2)
     left.set_xticks(range(len(variants)), variants, rotation=20)
     left.set(ylabel="whole-val bpc", title="each seed, and the mean")
@@ -218,8 +219,8 @@ def factors_plot(factors, colors):
     rows = factors["rows"]
     fig, axes = plt.subplots(1, len(rows), figsize=(5.2 * len(rows), 3.6), sharey=True, squeeze=False)
     for ax, row in zip(axes[0], rows):
-        for dropout, cells, style, shift in (("no dropout", ("one_pass", "three_passes"), "-", -0.02),
-                                             ("dropout 0.1", ("one_pass_dropout", "three_passes_dropout"), "--", 0.02)):
+        for dropout, cells, style, shift in (("no dropout", ("one_pass", "three_passes"), "-", -0.07),
+                                             ("dropout 0.1", ("one_pass_dropout", "three_passes_dropout"), "--", 0.07)):
             means = [row["cells"][r][0] for r in cells]
             halves = [row["cells"][r][1] or 0.0 for r in cells]
             x = [shift, 1 + shift]   # apart, so that the two levels' intervals do not hide each other
@@ -265,6 +266,13 @@ def fmt_interval(mean, half):
 # Student's t, the 0.975 quantile by degrees of freedom (lab/reproduce.py's t_quantile gives these):
 # a 95% t interval of n seeds' mean is mean +- T_975[n - 1] standard errors.
 T_975 = {2: 4.302652729749523, 4: 2.776445105197789}
+
+
+def t_975(dof):
+    """Student's 0.975 quantile for dof degrees of freedom, any dof > 0, a whole number or not (lab/reproduce.py's
+    t_quantile, which writes the study's intervals): t_975(4) is T_975[4]."""
+    from lab.reproduce import t_quantile      # here, not above: it imports torch, which the tests need not load
+    return t_quantile(0.975, dof)
 
 # The 2x2 study's results (lab/reproduce.py --study=2x2 writes them): notebooks 05 and 06 read them here.
 STUDY2X2 = Path(__file__).resolve().parent.parent / "results" / "study2x2"

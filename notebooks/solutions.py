@@ -83,26 +83,18 @@ def paired_t(first, second):
     return float(diffs.mean() / standard_error)
 
 
-def paired_interval(first, second, t_crit):
-    """06, exercise 1: (mean, half-width) of the 95% t interval of the per-seed differences
-    first - second; t_crit is Student's 0.975 quantile for n - 1 degrees of freedom, and the
-    half-width is t_crit standard errors of the mean."""
-    diffs = np.asarray(first, float) - np.asarray(second, float)
-    return float(diffs.mean()), float(t_crit * diffs.std(ddof=1) / math.sqrt(len(diffs)))
-
-
-def weight_decay_shrink(lrs, weight_decay):
-    """06, exercise 2: c[t], t = 0 .. len(lrs), the factor by which AdamW has shrunk a block's
-    difference from its row's mean after t steps. RowSum hands every block of a row the same
-    gradient, so Adam's step, a function of the gradients alone, is the same for all of them and
-    cancels in the difference; what is left is the decoupled weight decay, p -= lr_s * wd * p at
-    step s, which multiplies the difference by (1 - lr_s * wd): c[t] = prod_{s < t} (1 - lr_s wd)."""
-    factors = 1.0 - np.asarray(lrs, float) * weight_decay
-    return np.concatenate([[1.0], np.cumprod(factors)])
+def equal_time_difference(first, second):
+    """06, exercise 1: first's validation estimate minus second's at the longest wall-clock time both
+    runs reached, the earlier of their finishing times. The run that finished first is read at its
+    end; the other between the two evaluations around that time, on the straight line between them
+    (np.interp, which holds a log at its last value past its end)."""
+    a, b = np.asarray(first, float), np.asarray(second, float)
+    t = min(a[-1, 0], b[-1, 0])
+    return float(np.interp(t, a[:, 0], a[:, 1]) - np.interp(t, b[:, 0], b[:, 1]))
 
 
 def factor_effects(d):
-    """06, exercise 3: from d[regime], one variant's per-seed differences to MHA (NumPy arrays) in
+    """06, exercise 2: from d[regime], one variant's per-seed differences to MHA (NumPy arrays) in
     the four cells (one_pass, one_pass_dropout, three_passes, three_passes_dropout), each seed's
     effect of passes and of dropout (the change averaged over the other factor's two levels) and
     their interaction (how much dropout changes the effect of passes)."""
@@ -111,3 +103,15 @@ def factor_effects(d):
     return dict(passes=(three + three_dropout - one - one_dropout) / 2,
                 dropout=(one_dropout + three_dropout - one - three) / 2,
                 interaction=(three_dropout - one_dropout) - (three - one))
+
+
+def welch_interval(first, second, t_975):
+    """06, exercise 3: (mean, half-width) of Welch's 95% interval of mean(first) - mean(second), two
+    independent samples (notebook 04's primer). Each mean's squared standard error is its sample's
+    variance (n - 1) over n; the half-width is Student's quantile times the root of their sum, at the
+    Welch-Satterthwaite degrees of freedom (va + vb)^2 / (va^2 / (na - 1) + vb^2 / (nb - 1)), which is
+    no whole number in general."""
+    a, b = np.asarray(first, float), np.asarray(second, float)
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return float(a.mean() - b.mean()), float(t_975(dof) * math.sqrt(va + vb))

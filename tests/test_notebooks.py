@@ -278,7 +278,7 @@ def paired_gain(mse_mha, mse_damcha):
     mha, damcha = np.asarray(mse_mha), np.asarray(mse_damcha)
     return float(100 * np.mean((mha - damcha) / mha))
 """),
-            ("the constant the table prints at lambda = 1", """
+            ("the constant the table prints at lambda = 1 (after the check)", """
 def paired_gain(mse_mha, mse_damcha):
     return 0.26
 """),
@@ -328,53 +328,34 @@ def paired_t(first, second):
         ],
     },
     "06_what_helps_2x2.ipynb": {
-        "paired_interval": [
-            ("the standard deviation with n, not n - 1 (ddof=0)", """
-def paired_interval(first, second, t_crit):
-    d = np.asarray(first) - np.asarray(second)
-    return float(d.mean()), float(t_crit * d.std() / math.sqrt(len(d)))
+        "equal_time_difference": [
+            ("the two runs' last estimates: equal steps again", """
+def equal_time_difference(first, second):
+    return float(np.asarray(first)[-1, 1] - np.asarray(second)[-1, 1])
 """),
-            ("unpaired: the two groups' own spreads", """
-def paired_interval(first, second, t_crit):
-    a, b = np.asarray(first), np.asarray(second)
-    return float(a.mean() - b.mean()), float(t_crit * math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)))
+            ("the last evaluation at or before the common time, not the line between two", """
+def equal_time_difference(first, second):
+    first, second = np.asarray(first), np.asarray(second)
+    t = min(first[-1, 0], second[-1, 0])
+    return float(first[first[:, 0] <= t][-1, 1] - second[second[:, 0] <= t][-1, 1])
 """),
-            ("the normal's 1.96 instead of Student's quantile", """
-def paired_interval(first, second, t_crit):
-    d = np.asarray(first) - np.asarray(second)
-    return float(d.mean()), float(1.96 * d.std(ddof=1) / math.sqrt(len(d)))
+            ("the time and the bpc columns swapped", """
+def equal_time_difference(first, second):
+    first, second = np.asarray(first), np.asarray(second)
+    t = min(first[-1, 1], second[-1, 1])
+    return float(np.interp(t, first[:, 1], first[:, 0]) - np.interp(t, second[:, 1], second[:, 0]))
 """),
-            ("the standard deviation, not the standard error (no sqrt(n))", """
-def paired_interval(first, second, t_crit):
-    d = np.asarray(first) - np.asarray(second)
-    return float(d.mean()), float(t_crit * d.std(ddof=1))
-"""),
-            ("a forgotten return (None)", """
-def paired_interval(first, second, t_crit):
-    d = np.asarray(first) - np.asarray(second)
-    (float(d.mean()), float(t_crit * d.std(ddof=1) / math.sqrt(len(d))))
-"""),
-        ],
-        "weight_decay_shrink": [
-            ("the peak rate at every step", """
-def weight_decay_shrink(lrs, weight_decay):
-    return (1 - np.max(lrs) * weight_decay) ** np.arange(len(lrs) + 1)
-"""),
-            ("to first order: one minus the summed decay", """
-def weight_decay_shrink(lrs, weight_decay):
-    return 1 - weight_decay * np.concatenate([[0.0], np.cumsum(lrs)])
-"""),
-            ("no factor for t = 0 (the wrong shape)", """
-def weight_decay_shrink(lrs, weight_decay):
-    return np.cumprod(1 - np.asarray(lrs) * weight_decay)
-"""),
-            ("the learning rate left out of the decay", """
-def weight_decay_shrink(lrs, weight_decay):
-    return np.concatenate([[1.0], np.cumprod(np.full(len(lrs), 1 - weight_decay))])
+            ("second - first", """
+def equal_time_difference(first, second):
+    first, second = np.asarray(first), np.asarray(second)
+    t = min(first[-1, 0], second[-1, 0])
+    return float(np.interp(t, second[:, 0], second[:, 1]) - np.interp(t, first[:, 0], first[:, 1]))
 """),
             ("a forgotten return (None)", """
-def weight_decay_shrink(lrs, weight_decay):
-    np.concatenate([[1.0], np.cumprod(1 - np.asarray(lrs) * weight_decay)])
+def equal_time_difference(first, second):
+    first, second = np.asarray(first), np.asarray(second)
+    t = min(first[-1, 0], second[-1, 0])
+    float(np.interp(t, first[:, 0], first[:, 1]) - np.interp(t, second[:, 0], second[:, 1]))
 """),
         ],
         "factor_effects": [
@@ -407,6 +388,52 @@ def factor_effects(d):
     one, one_dropout, three, three_dropout = (d[r] for r in ("one_pass", "one_pass_dropout", "three_passes", "three_passes_dropout"))
     dict(passes=(three + three_dropout - one - one_dropout) / 2, dropout=(one_dropout + three_dropout - one - three) / 2,
          interaction=(three_dropout - one_dropout) - (three - one))
+"""),
+        ],
+        "welch_interval": [
+            ("the pooled interval: one spread for both samples, n_a + n_b - 2 degrees of freedom", """
+def welch_interval(first, second, t_975):
+    a, b = np.asarray(first), np.asarray(second)
+    pooled = ((len(a) - 1) * a.var(ddof=1) + (len(b) - 1) * b.var(ddof=1)) / (len(a) + len(b) - 2)
+    return float(a.mean() - b.mean()), float(t_975(len(a) + len(b) - 2) * math.sqrt(pooled * (1 / len(a) + 1 / len(b))))
+"""),
+            ("paired over the seeds the two share", """
+def welch_interval(first, second, t_975):
+    n = min(len(first), len(second))
+    d = np.asarray(first)[:n] - np.asarray(second)[:n]
+    return float(d.mean()), float(t_975(n - 1) * d.std(ddof=1) / math.sqrt(n))
+"""),
+            ("the normal's 1.96 instead of Welch's t", """
+def welch_interval(first, second, t_975):
+    a, b = np.asarray(first), np.asarray(second)
+    return float(a.mean() - b.mean()), float(1.96 * math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)))
+"""),
+            ("the variances with n, not n - 1 (ddof=0)", """
+def welch_interval(first, second, t_975):
+    a, b = np.asarray(first), np.asarray(second)
+    va, vb = a.var() / len(a), b.var() / len(b)
+    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return float(a.mean() - b.mean()), float(t_975(dof) * math.sqrt(va + vb))
+"""),
+            ("n, not n - 1, in the degrees of freedom", """
+def welch_interval(first, second, t_975):
+    a, b = np.asarray(first), np.asarray(second)
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    dof = (va + vb) ** 2 / (va ** 2 / len(a) + vb ** 2 / len(b))
+    return float(a.mean() - b.mean()), float(t_975(dof) * math.sqrt(va + vb))
+"""),
+            ("the smaller sample's n - 1 degrees of freedom", """
+def welch_interval(first, second, t_975):
+    a, b = np.asarray(first), np.asarray(second)
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    return float(a.mean() - b.mean()), float(t_975(min(len(a), len(b)) - 1) * math.sqrt(va + vb))
+"""),
+            ("a forgotten return (None)", """
+def welch_interval(first, second, t_975):
+    a, b = np.asarray(first), np.asarray(second)
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    (float(a.mean() - b.mean()), float(t_975(dof) * math.sqrt(va + vb)))
 """),
         ],
     },
