@@ -84,6 +84,7 @@ if ROOT not in sys.path:   # run as a file (python lab/reproduce.py): the book's
 from configurator import configure
 from damcha_torch import GPTConfig
 from lab.counts import count_params, equal_params_width
+from notebooks.course import t_quantile
 from data.dataset import load_dataset
 from device import pick_device
 from run_folder import RunFolder, atomic_write, read_jsonl, to_json
@@ -477,22 +478,6 @@ def write_study_summary(path, summary):
         return
     with open(path, 'w') as f:
         f.write(to_json(summary, indent=2))
-
-
-def t_quantile(p, dof):
-    """The p-quantile (p > 0.5) of Student's t with dof degrees of freedom: bisection on its CDF,
-    the density integrated by Simpson's rule (no scipy needed)."""
-    c = math.gamma((dof + 1) / 2) / (math.sqrt(dof * math.pi) * math.gamma(dof / 2))
-    pdf = lambda x: c * (1 + x * x / dof) ** (-(dof + 1) / 2)
-
-    def cdf(x, n=2000):
-        h = x / n
-        return 0.5 + h / 3 * (pdf(0) + pdf(x) + sum((4 if k % 2 else 2) * pdf(k * h) for k in range(1, n)))
-    lo, hi = 0.0, 100.0
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2
 
 
 def interval(diffs):

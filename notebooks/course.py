@@ -13,6 +13,7 @@ An exercise is a cell (tagged "exercise") that holds a stub, `def name(args):`, 
 on inputs the notebook has not printed, and prints one line: not attempted yet, pass or FAIL.
 """
 import json
+import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -263,16 +264,32 @@ def fmt_interval(mean, half):
 
 # ---- notebooks 04 to 06: intervals, and the 2x2 study's committed results --------------------
 
-# Student's t, the 0.975 quantile by degrees of freedom (lab/reproduce.py's t_quantile gives these):
-# a 95% t interval of n seeds' mean is mean +- T_975[n - 1] standard errors.
+# Student's t, the 0.975 quantile by degrees of freedom (t_quantile below gives these): a 95% t
+# interval of n seeds' mean is mean +- T_975[n - 1] standard errors.
 T_975 = {2: 4.302652729749523, 4: 2.776445105197789}
 
 
+def t_quantile(p, dof):
+    """The p-quantile (p > 0.5) of Student's t with dof degrees of freedom: bisection on its CDF,
+    the density integrated by Simpson's rule (no scipy needed)."""
+    c = math.gamma((dof + 1) / 2) / (math.sqrt(dof * math.pi) * math.gamma(dof / 2))
+    pdf = lambda x: c * (1 + x * x / dof) ** (-(dof + 1) / 2)
+
+    def cdf(x, n=2000):
+        h = x / n
+        return 0.5 + h / 3 * (pdf(0) + pdf(x) + sum((4 if k % 2 else 2) * pdf(k * h) for k in range(1, n)))
+    lo, hi = 0.0, 100.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
 def t_975(dof):
-    """Student's 0.975 quantile for dof degrees of freedom, any dof > 0, a whole number or not (lab/reproduce.py's
-    t_quantile, which writes the study's intervals): t_975(4) is T_975[4]."""
-    from lab.reproduce import t_quantile      # here, not above: it imports torch, which the tests need not load
+    """Student's 0.975 quantile for dof degrees of freedom, any dof > 0, a whole number or not:
+    t_975(4) is T_975[4]. lab/reproduce.py's intervals use the same t_quantile."""
     return t_quantile(0.975, dof)
+
 
 # The 2x2 study's results (lab/reproduce.py --study=2x2 writes them): notebooks 05 and 06 read them here.
 STUDY2X2 = Path(__file__).resolve().parent.parent / "results" / "study2x2"
