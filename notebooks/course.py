@@ -98,6 +98,22 @@ def within(expected, tolerance):
     return grade
 
 
+def solves(X, Y, tolerance):
+    """A grade: the result is a matrix m that maps each row of X to the same row of Y, X m = Y, to
+    `tolerance` in every entry. For an answer defined by what it does to given vectors: the check
+    states that property, and does not compute the answer itself."""
+    X, Y = np.asarray(X, dtype=float), np.asarray(Y, dtype=float)
+    shape = (X.shape[-1], Y.shape[-1])
+
+    def grade(result):
+        m = _as_array(result, "the result")
+        if m.shape != shape:
+            return False, f"the result has shape {m.shape} where {shape} is expected"
+        error = float(np.max(np.abs(X @ m - Y)))
+        return error <= tolerance, f"max |x m - wanted| = {error:.1e} over {len(X)} rows (tolerance {tolerance:.0e})"
+    return grade
+
+
 def softmax_rows(S):
     """Softmax over the last axis; -inf entries (masked keys) get probability 0."""
     e = np.exp(S - S.max(-1, keepdims=True))

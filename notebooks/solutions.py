@@ -42,15 +42,11 @@ def causal_softmax_backward(dA, A):
     return A * (dA - (dA * A).sum(-1, keepdims=True))
 
 
-def metric_query_backward(dq, cache):
-    """03, exercise 2: q = x m per (b, t, i). dx = dq m^T; dm = x^T dq, an outer product, summed
-    over (b, t) when one static m (H, dh, dh) served every position."""
-    x, m = cache
-    dx = np.einsum("...e,...ae->...a", dq, m)
-    dm = np.einsum("...a,...e->...ae", x, dq)
-    if m.ndim == 3:
-        dm = dm.reshape(-1, *m.shape).sum(0)
-    return dx, dm
+def scores_backward(dS, q, k):
+    """03, exercise 2: S_ts = sum_e q_te k_se / sqrt(dh). q_te enters row t of S with the factor
+    k_se / sqrt(dh), k_se enters column s with q_te / sqrt(dh): dq = dS k / sqrt(dh), dk = dS^T q / sqrt(dh)."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    return dS @ k * scale, dS.swapaxes(-1, -2) @ q * scale
 
 
 def rowsum_backward(dm, shape):

@@ -195,38 +195,34 @@ def causal_softmax_backward(dA, A):
     dS = A * (dA - (dA * A).sum(-1, keepdims=True))
 """),
         ],
-        "metric_query_backward": [
-            ("m not transposed in dx", """
-def metric_query_backward(dq, cache):
-    x, m = cache
-    dx = np.einsum("...e,...ea->...a", dq, m)
-    dm = np.einsum("...a,...e->...ae", x, dq)
-    if m.ndim == 3:
-        dm = dm.reshape(-1, *m.shape).sum(0)
-    return dx, dm
+        "scores_backward": [
+            ("the 1/sqrt(dh) left out", """
+def scores_backward(dS, q, k):
+    return dS @ k, dS.swapaxes(-1, -2) @ q
 """),
-            ("the outer product transposed, dq^T x", """
-def metric_query_backward(dq, cache):
-    x, m = cache
-    dx = np.einsum("...e,...ae->...a", dq, m)
-    dm = np.einsum("...a,...e->...ea", x, dq)
-    if m.ndim == 3:
-        dm = dm.reshape(-1, *m.shape).sum(0)
-    return dx, dm
+            ("divided by dh instead of sqrt(dh)", """
+def scores_backward(dS, q, k):
+    return dS @ k / q.shape[-1], dS.swapaxes(-1, -2) @ q / q.shape[-1]
 """),
-            ("the static metric's dm not summed over (b, t): the wrong shape", """
-def metric_query_backward(dq, cache):
-    x, m = cache
-    return np.einsum("...e,...ae->...a", dq, m), np.einsum("...a,...e->...ae", x, dq)
+            ("dk without the transpose, dS q", """
+def scores_backward(dS, q, k):
+    scale = 1 / math.sqrt(q.shape[-1])
+    return dS @ k * scale, dS @ q * scale
 """),
-            ("the static metric's dm averaged over (b, t) instead of summed", """
-def metric_query_backward(dq, cache):
-    x, m = cache
-    dx = np.einsum("...e,...ae->...a", dq, m)
-    dm = np.einsum("...a,...e->...ae", x, dq)
-    if m.ndim == 3:
-        dm = dm.reshape(-1, *m.shape).mean(0)
-    return dx, dm
+            ("the transpose on dq instead of dk: dS^T k and dS q", """
+def scores_backward(dS, q, k):
+    scale = 1 / math.sqrt(q.shape[-1])
+    return dS.swapaxes(-1, -2) @ k * scale, dS @ q * scale
+"""),
+            ("dq and dk returned in the wrong order", """
+def scores_backward(dS, q, k):
+    scale = 1 / math.sqrt(q.shape[-1])
+    return dS.swapaxes(-1, -2) @ q * scale, dS @ k * scale
+"""),
+            ("a forgotten return (None)", """
+def scores_backward(dS, q, k):
+    scale = 1 / math.sqrt(q.shape[-1])
+    dq, dk = dS @ k * scale, dS.swapaxes(-1, -2) @ q * scale
 """),
         ],
         "rowsum_backward": [
