@@ -56,11 +56,12 @@ def compose(A, query, key):
 
 
 def mixing_macs(config):
-    """Multiply-adds per token and layer that the head mixing adds to MHA's (lab/counts.flops_per_token),
-    the per-(t, s) terms over the T / 2 keys a causal query meets on average."""
+    """Multiply-adds per token and layer that the head mixing adds to MHA's
+    (lab/counts.flops_per_token), the per-(t, s) terms over the T / 2 keys a causal query meets
+    on average."""
     D, T, H, R = config.n_embd, config.block_size, config.n_head, DCMHA_RANK
     if config.attn == "tha":
-        return T * H * H                                             # two H x H mixes at every (t, s)
+        return T * H * H                                    # two H x H mixes at every (t, s)
     # the dynamic weights (dyn_fc, dyn_proj, dyn_gate), then at every (t, s) two compositions of
     # 2 R H (query-wise) + 2 R H (key-wise) + 2 H (gates)
     return 20 * H * D + 32 * R * H * H + (4 * R + 2) * H * T
@@ -96,7 +97,7 @@ class ComposedAttention(nn.Module):
         init_residual(self.c_proj, self.config)
 
     def forward(self, u, m=None):
-        """u (B, T, D), the normalised layer input; m unused (DAMCHA's metrics). Returns y (B, T, D)."""
+        """u (B, T, D), the normalised layer input; m unused (DAMCHA's metrics). -> y (B, T, D)"""
         B, T, D = u.size()
         H = self.config.n_head
         q, k, v = (a.view(B, T, H, D // H).transpose(1, 2) for a in self.c_attn(u).split(D, dim=2))
@@ -104,8 +105,9 @@ class ComposedAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, D)))
 
     def composed_attention(self, q, k, v, u):
-        """Softmax attention whose heads are mixed before and after the softmax. q, k, v (B, H, T, dh),
-        u (B, T, D). The mixing needs the (B, H, T, T) logits and probabilities themselves."""
+        """Softmax attention whose heads are mixed before and after the softmax. q, k, v
+        (B, H, T, dh), u (B, T, D). The mixing needs the (B, H, T, T) logits and probabilities
+        themselves."""
         T = q.size(2)
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         logits = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))                     # (B, H, T, T)
@@ -131,7 +133,7 @@ class ComposedAttention(nn.Module):
         H, R = self.config.n_head, DCMHA_RANK
         hidden = F.gelu(self.dyn_fc(u), approximate="tanh").view(B, T, 4, -1)       # (B, T, 4, C)
         w = torch.einsum("btgc,goc->btgo", hidden, self.dyn_proj).view(B, T, 4, 2, R, H)
-        w1, w2 = w.unbind(3)                                                         # (B, T, 4, R, H)
+        w1, w2 = w.unbind(3)                                                # (B, T, 4, R, H)
         w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + 1e-6)
         d = torch.tanh(self.dyn_gate(u)).view(B, T, 4, H)
         # composition g: 0 and 1 before the softmax (query-wise, key-wise), 2 and 3 after it

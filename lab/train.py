@@ -1,9 +1,10 @@
-"""
+r"""
 train.py: the book's trainer, train_char.py, given the lab's attentions (lab/variants.ATTENTIONS):
 every train_char.py setting, and attn may also be "tha", "dcmha" or "proj".
 
     python lab/train.py --attn=proj --metric_init=identity --mlp_hidden=385 --out_dir=out-proj
-    torchrun --standalone --nproc_per_node=4 lab/train.py config/enwik8.py config/mha.py --attn=dcmha
+    torchrun --standalone --nproc_per_node=4 lab/train.py config/enwik8.py config/mha.py \
+        --attn=dcmha
 """
 import os
 import sys
