@@ -49,9 +49,12 @@ def scores_backward(dS, q, k):
     return dS @ k * scale, dS.swapaxes(-1, -2) @ q * scale
 
 
-def rowsum_backward(dm, shape):
-    """03, exercise 3: m_i = sum_j M_ij, so every block of row i gets dm_i: a broadcast over j."""
-    return np.broadcast_to(dm[..., None, :], shape).copy()
+def masked_rowsum_backward(dm, blocks):
+    """03, exercise 3: m_i = sum_j kappa_ij M_ij, so block M_ij gets kappa_ij dm_i: dm_i broadcast along
+    the block row, times the mask (ones, the identity, or ones off the diagonal)."""
+    H = dm.shape[-3]
+    kappa = {"all": np.ones((H, H)), "diag": np.eye(H), "offdiag": 1 - np.eye(H)}[blocks]
+    return dm[..., None, :] * kappa[:, None, :, None]
 
 
 def prefix_mean_backward(dc, counts):

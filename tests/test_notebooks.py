@@ -225,21 +225,32 @@ def scores_backward(dS, q, k):
     dq, dk = dS @ k * scale, dS.swapaxes(-1, -2) @ q * scale
 """),
         ],
-        "rowsum_backward": [
-            ("divided by H, the backward of a mean", """
-def rowsum_backward(dm, shape):
-    return np.broadcast_to(dm[..., None, :], shape) / shape[-2]
+        "masked_rowsum_backward": [
+            ("the mask ignored: every block gets dm_i", """
+def masked_rowsum_backward(dm, blocks):
+    H = dm.shape[-3]
+    return dm[..., None, :] * np.ones((H, 1, H, 1))
 """),
-            ("the diagonal block only", """
-def rowsum_backward(dm, shape):
-    dM = np.zeros(shape)
-    for i in range(shape[2]):
-        dM[:, :, i, :, i, :] = dm[:, :, i]
-    return dM
+            ("diag and offdiag swapped", """
+def masked_rowsum_backward(dm, blocks):
+    H = dm.shape[-3]
+    kappa = {"all": np.ones((H, H)), "diag": 1 - np.eye(H), "offdiag": np.eye(H)}[blocks]
+    return dm[..., None, :] * kappa[:, None, :, None]
+"""),
+            ("divided by H, the backward of a mean", """
+def masked_rowsum_backward(dm, blocks):
+    H = dm.shape[-3]
+    kappa = {"all": np.ones((H, H)), "diag": np.eye(H), "offdiag": 1 - np.eye(H)}[blocks]
+    return dm[..., None, :] * kappa[:, None, :, None] / H
 """),
             ("dm itself: the wrong shape", """
-def rowsum_backward(dm, shape):
+def masked_rowsum_backward(dm, blocks):
     return dm
+"""),
+            ("a forgotten return (None)", """
+def masked_rowsum_backward(dm, blocks):
+    H = dm.shape[-3]
+    dM = dm[..., None, :] * np.ones((H, 1, H, 1))
 """),
         ],
         "prefix_mean_backward": [
