@@ -266,7 +266,8 @@ def regimes_plot(by_regime, variants, colors):
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(by_regime)), list(by_regime))
     ax.set_xlim(-0.5, len(by_regime) - 0.5)
-    ax.set(ylabel="whole-val bpc minus MHA's (negative: better)",
+    ax.set(xlabel="regime: model size and the sweep that chose the rates",
+           ylabel="whole-val bpc minus MHA's (negative: better)",
            title="the difference to MHA, same seeds, 95% t intervals")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)

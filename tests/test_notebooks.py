@@ -378,6 +378,14 @@ def factor_effects(d):
     return dict(passes=(three + three_dropout - one - one_dropout) / 2, dropout=(one_dropout + three_dropout - one - three) / 2,
                 interaction=(three - one) - (three_dropout - one_dropout))
 """),
+            ("each seed given the mean effect: the right means, no spread over the seeds", """
+def factor_effects(d):
+    one, one_dropout, three, three_dropout = (d[r] for r in ("one_pass", "one_pass_dropout", "three_passes", "three_passes_dropout"))
+    n = len(one)
+    return dict(passes=np.full(n, np.mean(three + three_dropout - one - one_dropout) / 2),
+                dropout=np.full(n, np.mean(one_dropout + three_dropout - one - three) / 2),
+                interaction=np.full(n, np.mean((three_dropout - one_dropout) - (three - one))))
+"""),
             ("passes and dropout swapped", """
 def factor_effects(d):
     one, one_dropout, three, three_dropout = (d[r] for r in ("one_pass", "one_pass_dropout", "three_passes", "three_passes_dropout"))
