@@ -308,6 +308,13 @@ def t_975(dof):
     return t_quantile(0.975, dof)
 
 
+def welch_dof(se2_a, se2_b, n_a, n_b):
+    """The Welch-Satterthwaite degrees of freedom of a difference of two independent means, from each
+    mean's squared standard error (se2_a, se2_b) and its number of values (n_a, n_b): no whole number in
+    general, between the smaller group's n - 1 and n_a + n_b - 2."""
+    return (se2_a + se2_b) ** 2 / (se2_a ** 2 / (n_a - 1) + se2_b ** 2 / (n_b - 1))
+
+
 # The 2x2 study's results (lab/reproduce.py --study=2x2 writes them): notebooks 05 and 06 read them here.
 STUDY2X2 = Path(__file__).resolve().parent.parent / "results" / "study2x2"
 

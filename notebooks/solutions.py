@@ -104,13 +104,13 @@ def factor_effects(d):
                 interaction=(three_dropout - one_dropout) - (three - one))
 
 
-def welch_interval(first, second, t_975):
+def welch_interval(first, second, t_975, welch_dof):
     """06, exercise 3: (mean, half-width) of Welch's 95% interval of mean(first) - mean(second), two
-    independent samples (notebook 04's primer). Each mean's squared standard error is its sample's
-    variance (n - 1) over n; the half-width is Student's quantile times the root of their sum, at the
-    Welch-Satterthwaite degrees of freedom (va + vb)^2 / (va^2 / (na - 1) + vb^2 / (nb - 1)), which is
-    no whole number in general."""
+    independent samples (notebook 04's primer). The variance of a difference of independent means is the
+    sum of their variances; each mean's is estimated by its squared standard error, its sample's variance
+    (n - 1) over n. The half-width is Student's quantile times the root of that sum, at the
+    Welch-Satterthwaite degrees of freedom that welch_dof computes from the two (no whole number in general)."""
     a, b = np.asarray(first, float), np.asarray(second, float)
     va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
-    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    dof = welch_dof(va, vb, len(a), len(b))
     return float(a.mean() - b.mean()), float(t_975(dof) * math.sqrt(va + vb))

@@ -407,48 +407,51 @@ def factor_effects(d):
         ],
         "welch_interval": [
             ("the pooled interval: one spread for both samples, n_a + n_b - 2 degrees of freedom", """
-def welch_interval(first, second, t_975):
+def welch_interval(first, second, t_975, welch_dof):
     a, b = np.asarray(first), np.asarray(second)
     pooled = ((len(a) - 1) * a.var(ddof=1) + (len(b) - 1) * b.var(ddof=1)) / (len(a) + len(b) - 2)
     return float(a.mean() - b.mean()), float(t_975(len(a) + len(b) - 2) * math.sqrt(pooled * (1 / len(a) + 1 / len(b))))
 """),
             ("paired over the seeds the two share", """
-def welch_interval(first, second, t_975):
+def welch_interval(first, second, t_975, welch_dof):
     n = min(len(first), len(second))
     d = np.asarray(first)[:n] - np.asarray(second)[:n]
     return float(d.mean()), float(t_975(n - 1) * d.std(ddof=1) / math.sqrt(n))
 """),
             ("the normal's 1.96 instead of Welch's t", """
-def welch_interval(first, second, t_975):
+def welch_interval(first, second, t_975, welch_dof):
     a, b = np.asarray(first), np.asarray(second)
     return float(a.mean() - b.mean()), float(1.96 * math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)))
 """),
             ("the variances with n, not n - 1 (ddof=0)", """
-def welch_interval(first, second, t_975):
+def welch_interval(first, second, t_975, welch_dof):
     a, b = np.asarray(first), np.asarray(second)
     va, vb = a.var() / len(a), b.var() / len(b)
-    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    return float(a.mean() - b.mean()), float(t_975(dof) * math.sqrt(va + vb))
+    return float(a.mean() - b.mean()), float(t_975(welch_dof(va, vb, len(a), len(b))) * math.sqrt(va + vb))
 """),
-            ("n, not n - 1, in the degrees of freedom", """
-def welch_interval(first, second, t_975):
+            ("the samples' variances, not their means' squared standard errors (no division by n)", """
+def welch_interval(first, second, t_975, welch_dof):
+    a, b = np.asarray(first), np.asarray(second)
+    va, vb = a.var(ddof=1), b.var(ddof=1)
+    return float(a.mean() - b.mean()), float(t_975(welch_dof(va, vb, len(a), len(b))) * math.sqrt(va + vb))
+"""),
+            ("the standard errors summed, not their squares (no root of the summed variances)", """
+def welch_interval(first, second, t_975, welch_dof):
     a, b = np.asarray(first), np.asarray(second)
     va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
-    dof = (va + vb) ** 2 / (va ** 2 / len(a) + vb ** 2 / len(b))
-    return float(a.mean() - b.mean()), float(t_975(dof) * math.sqrt(va + vb))
+    return float(a.mean() - b.mean()), float(t_975(welch_dof(va, vb, len(a), len(b))) * (math.sqrt(va) + math.sqrt(vb)))
 """),
             ("the smaller sample's n - 1 degrees of freedom", """
-def welch_interval(first, second, t_975):
+def welch_interval(first, second, t_975, welch_dof):
     a, b = np.asarray(first), np.asarray(second)
     va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
     return float(a.mean() - b.mean()), float(t_975(min(len(a), len(b)) - 1) * math.sqrt(va + vb))
 """),
             ("a forgotten return (None)", """
-def welch_interval(first, second, t_975):
+def welch_interval(first, second, t_975, welch_dof):
     a, b = np.asarray(first), np.asarray(second)
     va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
-    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    (float(a.mean() - b.mean()), float(t_975(dof) * math.sqrt(va + vb)))
+    (float(a.mean() - b.mean()), float(t_975(welch_dof(va, vb, len(a), len(b))) * math.sqrt(va + vb)))
 """),
         ],
     },
