@@ -1,6 +1,8 @@
 """notebooks/course.py: small helpers the notebooks share, kept out of their cells so that each cell
 shows one idea: exercise checks and their grades, softmax and entropy rows, the scores of one
-damcha_numpy attention layer (notebooks 01 and 02), and notebook 06's plots. Plain functions, no
+damcha_numpy attention layer (notebooks 01 and 02), 95% t intervals (notebooks 04 to 06, kept here
+so that no cell shows a standard error before notebook 05's exercise asks for one), and notebook
+06's plots. Plain functions, no
 state.
 
     import course        # the notebooks put notebooks/ on sys.path and import it
@@ -284,6 +286,19 @@ def fmt_interval(mean, half):
 # Student's t, the 0.975 quantile by degrees of freedom (t_quantile below gives these): a 95% t
 # interval of n seeds' mean is mean +- T_975[n - 1] standard errors.
 T_975 = {2: 4.302652729749523, 4: 2.776445105197789}
+
+
+def t_half(std, n):
+    """The half-width of the 95% t interval of a mean of n values whose sample standard deviation
+    (with n - 1) is std: T_975[n - 1] standard errors, a standard error being std / sqrt(n)."""
+    return T_975[n - 1] * np.asarray(std, float) / math.sqrt(n)
+
+
+def t_interval(values, axis=-1):
+    """(mean, half-width) of the 95% t interval of the mean of values along axis (the seeds):
+    notebook 04's primer, Section 0. Arrays when values has more than one dimension."""
+    values = np.asarray(values, float)
+    return values.mean(axis), t_half(values.std(axis, ddof=1), values.shape[axis])
 
 
 def t_quantile(p, dof):
