@@ -283,11 +283,6 @@ def fmt_interval(mean, half):
 
 # ---- notebooks 04 to 06: intervals, and the 2x2 study's committed results --------------------
 
-# Student's t, the 0.975 quantile by degrees of freedom (t_quantile below gives these): a 95% t
-# interval of n seeds' mean is mean +- T_975[n - 1] standard errors.
-T_975 = {2: 4.302652729749523, 4: 2.776445105197789}
-
-
 def t_half(std, n):
     """The half-width of the 95% t interval of a mean of n values whose sample standard deviation
     (with n - 1) is std: T_975[n - 1] standard errors, a standard error being std / sqrt(n)."""
@@ -321,6 +316,11 @@ def t_975(dof):
     """Student's 0.975 quantile for dof degrees of freedom, any dof > 0, a whole number or not:
     t_975(4) is T_975[4]. lab/reproduce.py's intervals use the same t_quantile."""
     return t_quantile(0.975, dof)
+
+
+# Student's t, the 0.975 quantile by degrees of freedom, for the course's 3 and 5 seeds: a 95% t
+# interval of n seeds' mean is mean +- T_975[n - 1] standard errors.
+T_975 = {dof: t_975(dof) for dof in (2, 4)}
 
 
 def welch_dof(se2_a, se2_b, n_a, n_b):
