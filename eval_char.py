@@ -37,7 +37,7 @@ import device as devices
 from configurator import check_run_settings, configure
 from damcha_torch import GPT, GPTConfig
 from data import dataset
-from run_folder import read_jsonl
+from run_folder import atomic_write, read_jsonl
 from shell import die, one_line_errors
 
 DEFAULTS = dict(
@@ -198,7 +198,8 @@ def plot(cfg, given, attentions):
     by_time.legend()
     path = cfg['plot_file'] or os.path.join(dirs[0], 'bpc.png')
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_write(path) as f:   # a full disk leaves the old plot whole, not a truncated one
+        fig.savefig(f, format=extension or 'png', dpi=120)
     print(f"wrote {path}")
 
 

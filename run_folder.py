@@ -8,16 +8,20 @@ run_folder.py: a training run's folder, and everything a run does to it (RunFold
     out_dir/train.lock       flock'ed for the run's lifetime; names the run that holds it
 
 Every file is written whole or not at all (atomic_write): a kill or a full disk never costs the last
-good checkpoint. A new run refuses a folder holding a checkpoint or logs; a resume cuts the logs
+good checkpoint. No file is written through a symbolic link (open_own): a link where one belongs
+is refused, and left as it is. A new run refuses a folder holding a checkpoint or logs; a resume cuts the logs
 back to its checkpoint; a stopped run says where a resume would start. docs/reliability.md lists
 each promise and the test that holds it.
 """
+import errno
 import fcntl
 import json
 import math
 import os
 import re
+import secrets
 import shlex
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -26,8 +30,11 @@ import torch
 
 from shell import DIVERGED, die, exit_status, why
 
-# atomic_write's temporary files: the only ones a run removes
-PARTIAL = r'.+\.damcha-partial-\d+\.tmp'
+# atomic_write's partial files, <file>.damcha-partial-<pid>-<random>.tmp (<file>.damcha-partial-<pid>.tmp
+# from older versions): the only files the project removes, and only a dead process's
+PARTIAL = r'.+\.damcha-partial-(\d+)(?:-[0-9a-f]{8})?\.tmp'
+# what a run writes in its out_dir under these names: a link there is refused before the run starts
+OWN_FILES = ('ckpt.pt', 'log.jsonl', 'train_log.jsonl')
 
 
 class Diverged(Exception):
@@ -74,19 +81,18 @@ class RunFolder:
         """Hold out_dir for this run: an exclusive flock on train.lock, which the kernel releases
         when the process ends in any way, SIGKILL included, so it never goes stale. The file names
         the holder, for the message to a second run. Partial files of a run killed mid-save
-        (atomic_write) are removed: nobody writes them now."""
+        (atomic_write) are removed (remove_partials)."""
         if self.lock_file is not None:
             return
         if os.path.exists(self.dir) and not os.path.isdir(self.dir):
             die(f"out_dir {self.dir} is a file, not a folder")
-        os.makedirs(self.dir, exist_ok=True)
+        make_folder(self.dir, 'out_dir')
         # surrogateescape: the command's bytes as typed, also those that are not UTF-8
         # (a prompt, a path)
-        f = open(self.path('train.lock'), 'a+', errors='surrogateescape')
+        f = open_lock(self.path('train.lock'), errors='surrogateescape')
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
             holder = f.read().strip() or 'a run that is just starting'
             f.close()
             die(f"{self.dir} is in use by another training run ({holder}); wait for it to end, "
@@ -96,9 +102,9 @@ class RunFolder:
                 f"command: {shlex.join([os.path.basename(sys.executable), *sys.argv])}\n")
         f.flush()
         self.lock_file = f
-        for name in os.listdir(self.dir):
-            if re.fullmatch(PARTIAL, name):
-                os.remove(self.path(name))
+        for name in OWN_FILES:   # refused now, not at the first save after minutes of training
+            refuse_link(self.path(name))
+        remove_partials(self.dir)
 
     def unlock(self):
         """Let go of the lock (as the process's end would), for a run called in-process."""
@@ -127,12 +133,11 @@ class RunFolder:
             entries = read_jsonl(path) if resumed and os.path.isfile(path) else []
             if not all(isinstance(e.get('iter'), int) for e in entries):
                 die(f"{path} has an entry without an iteration number: not a log of train_char.py")
-            with atomic_write(path) as f:
-                f.write(''.join(to_json(e) + '\n' for e in entries if keep(e['iter'])).encode())
+            write_text(path, ''.join(to_json(e) + '\n' for e in entries if keep(e['iter'])))
 
     def log(self, name, entries):
         """Append entries to the log `name` (log.jsonl, train_log.jsonl), a JSON object a line."""
-        with open(self.path(name), 'a') as f:
+        with os.fdopen(open_own(self.path(name), os.O_WRONLY | os.O_APPEND | os.O_CREAT), 'a') as f:
             f.writelines(to_json(e) + '\n' for e in entries)
 
     def save_checkpoint(self, checkpoint):
@@ -184,13 +189,17 @@ class RunFolder:
 
 @contextmanager
 def atomic_write(path):
-    """A binary file to write that appears at `path` only once complete: written beside it (this
-    process's own file, named PARTIAL), flushed to disk, renamed over it. A crash leaves the old
-    file or none; any failure removes the partial file before passing on. Every save goes through
-    here."""
-    tmp = f'{path}.damcha-partial-{os.getpid()}.tmp'
+    """A binary file to write (and read back) that appears at `path` only once complete: written
+    beside it (this process's own new file, named PARTIAL, its random part unknown to anyone who
+    would plant a link there in advance), flushed to disk, renamed over it. A crash leaves the old
+    file or none; any failure removes the partial file before passing on. A symbolic link at
+    `path` is refused (refuse_link) rather than replaced: it is the user's, and a rename would
+    drop it. Every save goes through here."""
+    refuse_link(path)
+    tmp = f'{path}.damcha-partial-{os.getpid()}-{secrets.token_hex(4)}.tmp'
+    f = os.fdopen(open_own(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL), 'w+b')
     try:
-        with open(tmp, 'wb') as f:
+        with f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -199,6 +208,84 @@ def atomic_write(path):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def write_text(path, text):
+    """A text file written whole through atomic_write (summaries, results)."""
+    with atomic_write(path) as f:
+        f.write(text.encode())
+
+
+def open_own(path, flags):
+    """The descriptor of a file the project creates, truncates or appends to (os.open's flags),
+    never opened through a symbolic link: someone sharing the folder may have put one there so
+    that this process overwrites a file of their choosing, another user's say."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)   # 0o666 & ~umask, as open()
+    except OSError as e:
+        if e.errno == errno.ELOOP:   # O_NOFOLLOW's answer to a link
+            refuse_link(path)
+        raise
+
+
+def refuse_link(path):
+    """A symbolic link where the project writes a file: one line naming it; it stays as it is."""
+    if os.path.islink(path):
+        die(f"{path} is a symbolic link: refusing to write through it; remove it")
+
+
+def open_lock(path, **kwargs):
+    """A lock file (train.lock, the lab's claim.lock) to read and write, not truncated, for an
+    flock. Not a link (open_own), nor a FIFO, device or socket, which are refused in one line:
+    opened without blocking, so that a FIFO cannot hang the run."""
+    fd = open_own(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        die(f"{path} is {'a FIFO (named pipe)' if stat.S_ISFIFO(mode) else 'a device or socket'}, "
+            "not a regular file: a lock must be one; remove it")
+    return os.fdopen(fd, 'r+', **kwargs)
+
+
+def make_folder(path, what):
+    """os.makedirs, naming what is wrong with a path that is a link to nothing or a link loop,
+    of which makedirs says only 'File exists'."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        if not os.path.islink(path):
+            raise
+        try:
+            os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                die(f"{what} {path} is a symbolic link in a loop (it leads back to itself): "
+                    "remove it, or choose another folder")
+        die(f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist "
+            "(a dangling link): create its target or remove the link")
+
+
+def remove_partials(folder):
+    """Remove the partial files (PARTIAL) that processes killed mid-write left in folder: a
+    process that no longer exists writes them no more. A live process's stay (it may be writing
+    one now: eval_char.py's plot beside a run, another preparation), as do links and anything but a
+    regular file of that name."""
+    for name in os.listdir(folder):
+        match = re.fullmatch(PARTIAL, name)
+        path = os.path.join(folder, name)
+        if match and not alive(int(match[1])) and stat.S_ISREG(os.lstat(path).st_mode):
+            os.remove(path)
+
+
+def alive(pid):
+    """Whether a process of this id exists (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):   # none, or no process id at all
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def read_jsonl(path):

@@ -47,7 +47,7 @@ if __name__ == '__main__':
     # run as a script: the repository root, which holds configurator.py, is above
     sys.path.insert(0, os.path.dirname(HERE))
 from configurator import configure  # noqa: E402
-from run_folder import atomic_write  # noqa: E402
+from run_folder import atomic_write, remove_partials  # noqa: E402
 from shell import die  # noqa: E402
 
 # The downloadable corpora. The tests point these at small archives of their own.
@@ -87,7 +87,8 @@ def write_splits(folder, digest, make, again=False):
     """The dataset folder prepared from the source with this digest: make() -> (ids, vocab,
     percents, source), cut into consecutive train/val(/test) parts by percentage, meta.json last.
     Under an flock on the folder, so that two preparations take turns rather than mix their files;
-    the second finds the first's work done, unless it prepares again a damaged folder."""
+    the second finds the first's work done, unless it prepares again a damaged folder. The
+    partial files of a preparation whose process is gone (a kill) are removed meanwhile."""
     os.makedirs(folder, exist_ok=True)
     lock = os.open(folder, os.O_RDONLY)
     try:
@@ -99,6 +100,7 @@ def write_splits(folder, digest, make, again=False):
         except OSError:
             # a file system without flock (some NFS): each use's check still finds a mix
             pass
+        remove_partials(folder)
         meta = None if again else read_meta(folder, digest)
         return meta if meta is not None else write_locked(folder, digest, *make())
     finally:
@@ -140,8 +142,8 @@ def download(name, archive):
                 while chunk := response.read(1 << 20):
                     f.write(chunk)
                     bar.update(len(chunk))
-            f.flush()
-            return unzip_verified(f.name, name, source)
+            f.seek(0)
+            return unzip_verified(f, name, source)
     except (OSError, http.client.HTTPException) as e:   # urllib's URLError is an OSError
         # writing the archive failed, not the download
         if getattr(e, 'errno', None) == errno.ENOSPC:
@@ -152,8 +154,8 @@ def download(name, archive):
 
 
 def unzip_verified(path, name, source):
-    """The archive's member `name`, checked against the expected size and digest; a ValueError
-    says what is wrong with it."""
+    """The archive's member `name` (path: the archive's path or open file), checked against the
+    expected size and digest; a ValueError says what is wrong with it."""
     try:
         with zipfile.ZipFile(path) as z:
             data = z.read(name)

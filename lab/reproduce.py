@@ -87,7 +87,7 @@ from lab.counts import count_params, equal_params_width
 from notebooks.course import t_quantile
 from data.dataset import load_dataset
 from device import pick_device
-from run_folder import RunFolder, atomic_write, read_jsonl, to_json
+from run_folder import RunFolder, atomic_write, open_lock, read_jsonl, to_json, write_text
 from shell import DIVERGED, Interrupted, die, exit_status, signals_as_ctrl_c
 
 TRAIN_CHAR = os.path.join(ROOT, 'lab', 'train.py')   # train_char.py with the lab's attentions registered
@@ -297,13 +297,20 @@ def claim(out_dir):
     in any way) while this process trains and evaluates the run, or None when another process of this
     script holds it: copies of one command, started side by side, share its runs."""
     os.makedirs(out_dir, exist_ok=True)
-    held = open(os.path.join(out_dir, 'claim.lock'), 'w')
+    held = open_lock(os.path.join(out_dir, 'claim.lock'))   # never through a link, nor truncating
     try:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         held.close()
         return None
     return held
+
+
+def copy_file(source, target):
+    """shutil.copyfile, written as the project writes every file (atomic_write): whole or not at
+    all, and never through a link at target."""
+    with open(source, 'rb') as f, atomic_write(target) as copy:
+        shutil.copyfileobj(f, copy)
 
 
 def same_run(eval_path, planned):
@@ -384,8 +391,8 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
                 die(f"training {run} failed (its output above says why); "
                     "once that is fixed, the same command resumes it")
             result = dict(failed=True, val_bpc=float('inf')) | (extra or {})
-            with atomic_write(os.path.join(results, run + '.eval.json')) as f:   # val_bpc: null (read_evals)
-                f.write((to_json(result, indent=2) + '\n').encode())
+            # val_bpc: null (read_evals)
+            write_text(os.path.join(results, run + '.eval.json'), to_json(result, indent=2) + '\n')
             return result
     result = evaluate_checkpoint(run, out_dir, opts['device'])
     if os.path.isabs(result['dataset']):   # a file made for the study: where it is in the checkout, not on this machine
@@ -393,14 +400,14 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
     for b in blocks:
         result[f'val_bpc_{b}'] = evaluate_checkpoint(run, out_dir, opts['device'], f'--blocks={b}')['val_bpc']
     result |= extra or {}
-    shutil.copyfile(os.path.join(out_dir, 'log.jsonl'), os.path.join(results, run + '.log.jsonl'))
+    copy_file(os.path.join(out_dir, 'log.jsonl'), os.path.join(results, run + '.log.jsonl'))
     snapshots = sorted(f for f in os.listdir(out_dir) if f.startswith('snapshot-'))
     if snapshots:
         os.makedirs(os.path.join(results, 'snapshots', run), exist_ok=True)
         for f in snapshots:
-            shutil.copyfile(os.path.join(out_dir, f), os.path.join(results, 'snapshots', run, f))
-    with atomic_write(os.path.join(results, run + '.eval.json')) as f:   # last: it marks the run done
-        f.write((to_json(result, indent=2) + '\n').encode())
+            copy_file(os.path.join(out_dir, f), os.path.join(results, 'snapshots', run, f))
+    # last: it marks the run done
+    write_text(os.path.join(results, run + '.eval.json'), to_json(result, indent=2) + '\n')
     return result
 
 
@@ -429,8 +436,8 @@ def summary_rows(variants, runs, params, typed, opts, results):
 def write_summary(rows, runs, opts, results):
     dataset = opts['dataset']
     settings = {k: v for k, v in runs['mha'].items() if k != 'attn'}
-    with open(os.path.join(results, 'summary.json'), 'w') as f:
-        f.write(to_json(dict(dataset=dataset, seeds=opts['seeds'], rows=rows), indent=2))
+    write_text(os.path.join(results, 'summary.json'),
+               to_json(dict(dataset=dataset, seeds=opts['seeds'], rows=rows), indent=2))
     lines = [f"Character-level comparison on {dataset}: {opts['seeds']} seed(s), mean ± sample std over seeds "
              f"of the bits per character of the whole split (eval_char.py).", '',
              f"Settings: `{' '.join(flags(settings))}`"
@@ -447,8 +454,7 @@ def write_summary(rows, runs, opts, results):
     lines.append('Not within 5% of MHA\'s parameter count (nothing to trade for it): '
                  + ', '.join(f"{r['variant']} ({r['rel_params_vs_mha']:+.1%})" for r in off) + '.' if off else
                  'Every variant is within 5% of MHA\'s parameter count.')
-    with open(os.path.join(results, 'summary.md'), 'w') as f:
-        f.write('\n'.join(lines) + '\n')
+    write_text(os.path.join(results, 'summary.md'), '\n'.join(lines) + '\n')
     print('\n'.join(lines))
 
 
@@ -476,8 +482,7 @@ def write_study_summary(path, summary):
     but_commit = lambda d: {k: v for k, v in d.items() if k != 'commit'}
     if isinstance(old, dict) and but_commit(old) == but_commit(json.loads(to_json(summary))):
         return
-    with open(path, 'w') as f:
-        f.write(to_json(summary, indent=2))
+    write_text(path, to_json(summary, indent=2))
 
 
 def interval(diffs):
@@ -574,8 +579,7 @@ def lr_summary(variants, grid, params, results, commit):
         lines.append(f"| {name} | {params[name]:,} | " + ' | '.join(cells) + f' | {note} |')
     write_study_summary(os.path.join(results, 'summary.json'),
                         dict(grid=grid, held_out_bpc=table, chosen_lr=chosen, commit=commit))
-    with open(os.path.join(results, 'summary.md'), 'w') as f:
-        f.write('\n'.join(lines) + '\n')
+    write_text(os.path.join(results, 'summary.md'), '\n'.join(lines) + '\n')
     print('\n'.join(lines))
 
 
@@ -647,8 +651,7 @@ def seed_summary(variants, seeds, runs, params, rates, results, regime, commit):
             if f'val_bpc_{b}' in r:
                 lines.append(f"\n{r['variant']} evaluated with blocks={b}: val bpc "
                              f"{fmt(*mean_std(r[f'val_bpc_{b}']))} (trained with all blocks: {fmt(r['val_bpc_mean'], None)})")
-    with open(os.path.join(results, 'summary.md'), 'w') as f:
-        f.write('\n'.join(lines) + '\n')
+    write_text(os.path.join(results, 'summary.md'), '\n'.join(lines) + '\n')
     print('\n'.join(lines))
 
 
@@ -725,8 +728,7 @@ def factor_effects(root):
               + ' | '.join(fmt_interval(*row['cells'][r]) for r in CELLS) + ' | '
               + ' | '.join(fmt_interval(*row['effects'][k]) for k in ('passes', 'dropout', 'interaction')) + ' |'
               for row in rows]
-    with open(os.path.join(root, 'factors.md'), 'w') as f:
-        f.write('\n'.join(lines) + '\n')
+    write_text(os.path.join(root, 'factors.md'), '\n'.join(lines) + '\n')
     print('\n'.join(lines))
 
 
@@ -775,8 +777,7 @@ def changes_from_three_passes_dropout(root):
               + ' | '.join(f"{cell(row['diffs'][r], row['cells'][r])} | "
                            + (fmt_interval(*row['change'][r]) if row['diffs'][r] else '') for r in CHANGES) + ' |'
               for row in rows]
-    with open(os.path.join(root, 'changes.md'), 'w') as f:
-        f.write('\n'.join(lines) + '\n')
+    write_text(os.path.join(root, 'changes.md'), '\n'.join(lines) + '\n')
     print('\n'.join(lines))
 
 
@@ -822,8 +823,8 @@ def study(opts, passthrough):
         same = os.path.join(root, SAME_AS.get(regime, regime), run)
         if regime in SAME_AS and same_run(same + '.eval.json', planned(name, extra)):
             print(f"{run}: regime {SAME_AS[regime]}'s run had these settings; its results are copied", flush=True)
-            shutil.copyfile(same + '.log.jsonl', os.path.join(results, run + '.log.jsonl'))
-            shutil.copyfile(same + '.eval.json', os.path.join(results, run + '.eval.json'))   # last: it marks the run done
+            copy_file(same + '.log.jsonl', os.path.join(results, run + '.log.jsonl'))
+            copy_file(same + '.eval.json', os.path.join(results, run + '.eval.json'))   # last: it marks the run done
             continue
         held = claim(os.path.join(out_root, run))
         if held is None:

@@ -58,6 +58,7 @@ results/synthetic/ holds the default sweep (1500 steps), results/synthetic/long/
 at three lambdas trained 4x longer (6000 steps), to see whether the trend over lambda holds.
 """
 import csv
+import io
 import math
 import os
 import statistics
@@ -76,7 +77,7 @@ if ROOT not in sys.path:   # run as a file (python lab/synthetic.py): the book's
 from configurator import configure
 from damcha_torch import (Block, CausalSelfAttention, DamchaAttention, Generator, GPTConfig,
                           configure_optimizers, init_weights)
-from run_folder import to_json
+from run_folder import to_json, write_text
 from shell import die
 from train_char import get_lr
 from lab.counts import count_params, equal_params_width
@@ -348,14 +349,14 @@ def write_results(rows, meta, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     fields = ["task", "x", "seed", "model", "params", "gen_width", "train_loss", "test_mse", "test_loss",
               "test_acc", "seconds"]
-    with open(os.path.join(out_dir, "runs.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: r.get(k) for k in fields})
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=fields)
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: r.get(k) for k in fields})
+    write_text(os.path.join(out_dir, "runs.csv"), table.getvalue())   # whole, never through a link
     summary = summarize(rows)
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        f.write(to_json({"settings": meta, "points": summary}, indent=1))
+    write_text(os.path.join(out_dir, "summary.json"), to_json({"settings": meta, "points": summary}, indent=1))
     for p in summary:
         print(f"{p['task']:14s} x={p['x']:<4} mha {p['mha_mean']:.4f}±{p['mha_std']:.4f} "
               f"damcha {p['damcha_mean']:.4f}±{p['damcha_std']:.4f} gain {p['gain_mean']:+.4f}±{p['gain_std']:.4f} "
