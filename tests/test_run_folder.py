@@ -11,18 +11,22 @@ when the tests run as root); the others run in-process.
 """
 import glob
 import os
+import pathlib
+import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
 
 import data.prepare as prep
 import train_char as tc
-from run_folder import RunFolder, atomic_write, read_jsonl
-from common import ENV, ROOT, TINY, copy_of, digest, fails, iters, one_line_error, start, wait_for
+from run_folder import PARTIAL, RunFolder, atomic_write, read_jsonl
+from common import ENV, ROOT, TINY, cli, copy_of, digest, fails, iters, one_line_error, start, wait_for
 
 
 def test_the_lock_names_only_the_run_that_holds_it(tmp_path):
@@ -205,15 +209,98 @@ def test_a_second_run_is_refused_and_the_lock_dies_with_the_first(tmp_path, data
     assert not glob.glob(str(out / '*.tmp'))
 
 
-def test_temporary_files_are_per_process_and_removed_on_failure(tmp_path):
-    path = tmp_path / 'ckpt.pt'
-    path.write_bytes(b'the last good one')
+def test_temporary_files_are_per_process_unpredictable_and_removed_on_failure(tmp_path):
+    """atomic_write's partial file carries this process's pid and a random part: two saves use two
+    names, and a link planted at the name a pid alone would give (train.lock names the pid)
+    receives nothing. A failure removes the partial file and keeps the old file; a link where the
+    file belongs is refused and stays."""
+    path, victim = tmp_path / 'ckpt.pt', tmp_path / 'victim.txt'
+    victim.write_bytes(b'not a checkpoint')
+    guessed = tmp_path / f'ckpt.pt.damcha-partial-{os.getpid()}.tmp'
+    guessed.symlink_to(victim)
+    names = []
+    for content in (b'the first', b'the last good one'):
+        with atomic_write(path) as f:
+            f.write(content)
+            names += [n for n in os.listdir(tmp_path) if re.fullmatch(PARTIAL, n) and n != guessed.name]
+    assert len(set(names)) == 2 and all(n.startswith(f'{guessed.name[:-4]}-') for n in names), names
     with pytest.raises(KeyboardInterrupt):
         with atomic_write(path) as f:
             f.write(b'half of a new one')
-            assert os.path.exists(f'{path}.damcha-partial-{os.getpid()}.tmp')
             raise KeyboardInterrupt
-    assert path.read_bytes() == b'the last good one' and os.listdir(tmp_path) == ['ckpt.pt']
+    link = tmp_path / 'snapshot-4.pt'
+    link.symlink_to(victim)
+    with pytest.raises(SystemExit, match=f'error: {link} is a symbolic link: refusing to write through it; remove it'):
+        with atomic_write(link) as f:
+            f.write(b'weights')
+    assert path.read_bytes() == b'the last good one' and victim.read_bytes() == b'not a checkpoint'
+    assert guessed.is_symlink() and link.is_symlink()
+    assert sorted(os.listdir(tmp_path)) == sorted(['ckpt.pt', 'victim.txt', guessed.name, link.name])
+
+
+def test_links_where_a_run_writes_are_refused_and_left_alone(checkpointed, tmp_path, data_dir):
+    """A symbolic link as train.lock, as a log to resume or append to, as ckpt.pt: refused in one
+    line naming it, before any training; the file it points to is unchanged and the link stays."""
+    victim = tmp_path / 'thesis.txt'
+    victim.write_text('years of work')
+    fresh = tmp_path / 'fresh'
+    fresh.mkdir()
+    (fresh / 'train.lock').symlink_to(victim)
+    assert f'{fresh}/train.lock is a symbolic link: refusing to write through it; remove it' in fails(
+        *TINY, f'--data_dir={data_dir}', f'--out_dir={fresh}', '--max_iters=2')
+    for name in ('log.jsonl', 'ckpt.pt'):
+        out, real = copy_of(checkpointed, tmp_path, f'run-{name}'), tmp_path / f'real-{name}'
+        os.replace(out / name, real)   # moved away, a link in its place: it reads as the file did
+        (out / name).symlink_to(real)
+        before = digest(real)
+        assert f'{out}/{name} is a symbolic link: refusing to write through it' in fails(
+            f'--out_dir={out}', '--init_from=resume', '--max_iters=9')
+        assert (out / name).is_symlink() and digest(real) == before
+    appended = RunFolder(str(fresh))
+    os.remove(fresh / 'train.lock')
+    (fresh / 'train_log.jsonl').symlink_to(victim)
+    with pytest.raises(SystemExit, match='train_log.jsonl is a symbolic link'):
+        appended.log('train_log.jsonl', [dict(iter=0, loss=1.0)])
+    assert victim.read_text() == 'years of work' and (fresh / 'train_log.jsonl').is_symlink()
+
+
+def test_a_link_another_user_plants_in_a_shared_folder_is_refused(tmp_path, data_dir):
+    """In a folder every user may write to, another user (a spare uid) links train.lock to root's
+    private file: root's run refuses the link, and the file is left whole."""
+    if os.geteuid() != 0:
+        pytest.skip('planting the link as another user needs root, to start a process under uid 65534')
+    victim = tmp_path / 'thesis.txt'
+    victim.write_text("root's own")
+    victim.chmod(0o600)
+    shared = pathlib.Path(tempfile.mkdtemp())   # under /tmp: tmp_path's parents are root's alone
+    try:
+        shared.chmod(0o777)
+        subprocess.run(['ln', '-s', str(victim), str(shared / 'train.lock')], user=65534, check=True)
+        assert os.lstat(shared / 'train.lock').st_uid == 65534
+        one_line_error(cli(*TINY, f'--data_dir={data_dir}', f'--out_dir={shared}', '--max_iters=2'),
+                       f'{shared}/train.lock is a symbolic link: refusing to write through it; remove it')
+        assert victim.read_text() == "root's own" and (shared / 'train.lock').is_symlink()
+    finally:
+        shutil.rmtree(shared)
+
+
+def test_a_fifo_as_train_lock_is_refused_without_hanging(tmp_path, data_dir):
+    out = tmp_path / 'out'
+    out.mkdir()
+    os.mkfifo(out / 'train.lock')
+    result = cli(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', timeout=60)
+    one_line_error(result, f'{out}/train.lock is a FIFO (named pipe), not a regular file: a lock must be one')
+
+
+def test_an_out_dir_that_is_a_dangling_link_or_a_loop_is_named(tmp_path, data_dir):
+    dangling, loop = tmp_path / 'dangling', tmp_path / 'loop'
+    dangling.symlink_to(tmp_path / 'gone')
+    loop.symlink_to(loop)
+    assert (f'out_dir {dangling} is a symbolic link to {tmp_path / "gone"}, which does not exist (a dangling '
+            'link)') in fails(*TINY, f'--data_dir={data_dir}', f'--out_dir={dangling}', '--max_iters=2')
+    assert f'out_dir {loop} is a symbolic link in a loop' in fails(*TINY, f'--data_dir={data_dir}',
+                                                                   f'--out_dir={loop}', '--max_iters=2')
+    assert sorted(os.listdir(tmp_path)) == ['dangling', 'loop']
 
 
 @pytest.fixture
