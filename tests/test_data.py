@@ -347,3 +347,38 @@ def test_a_damaged_split_is_noted_and_prepared_again_never_used(checkpointed, tm
     (tmp_path / 'data' / 'enwik8' / 'test.bin').write_bytes(b'\0' * 200)
     with pytest.raises(SystemExit, match='could not download http://127.0.0.1:9/unreachable.zip'):
         dataset.load_dataset('enwik8', str(tmp_path / 'data'))
+
+
+def test_a_link_as_a_prepared_split_is_refused_and_left_alone(tmp_path):
+    """A symbolic link where a preparation writes a split: one line naming it; the file it points
+    to is unchanged and the link stays."""
+    text, data = text_file(tmp_path / 'notes.txt', seed=1, size=2000), tmp_path / 'data'
+    victim = tmp_path / 'thesis.txt'
+    victim.write_text('years of work')
+    folder = pathlib.Path(prep.text_file_dir(str(text), str(data)))
+    folder.mkdir(parents=True)
+    (folder / 'val.bin').symlink_to(victim)
+    assert f'{folder}/val.bin is a symbolic link: refusing to write through it; remove it' in fails(
+        text, f'--data_dir={data}', main=prep.main)
+    assert victim.read_text() == 'years of work' and (folder / 'val.bin').is_symlink()
+
+
+def test_a_dead_preparations_partial_files_are_removed_and_a_live_ones_kept(tmp_path):
+    """Preparing a folder removes the partial files that a killed preparation left (the project's
+    pattern, with or without its random part, of a process that no longer exists), never a live
+    process's, a link of that name or a user's file."""
+    text, data = text_file(tmp_path / 'notes.txt', seed=1, size=2000), tmp_path / 'data'
+    prep.main([str(text), f'--data_dir={data}'])
+    folder = pathlib.Path(prep.text_file_dir(str(text), str(data)))
+    gone = subprocess.Popen(['true'])
+    gone.wait()   # its pid now names no process
+    dead = [f'train.bin.damcha-partial-{gone.pid}-0123abcd.tmp', f'val.bin.damcha-partial-{gone.pid}.tmp']
+    kept = [f'train.bin.damcha-partial-{os.getpid()}-89abcdef.tmp', 'notes.damcha-partial.tmp',
+            f'test.bin.damcha-partial-{gone.pid}-0123abcd.tmp.bak']
+    for name in dead + kept:
+        (folder / name).write_bytes(b'half a split')
+    link = folder / f'meta.json.damcha-partial-{gone.pid}-4567cdef.tmp'
+    link.symlink_to(text)
+    text_file(text, seed=2, size=2000)   # changed: the next use prepares the folder again
+    prep.main([str(text), f'--data_dir={data}'])
+    assert sorted(os.listdir(folder)) == sorted(kept + [link.name, 'meta.json', 'train.bin', 'val.bin', 'test.bin'])

@@ -8,7 +8,9 @@ plots of several runs, and its one-line refusals.
 import contextlib
 import json
 import os
+import resource
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -20,7 +22,7 @@ import data.prepare as prep
 import eval_char as ec
 import train_char as tc
 from run_folder import read_jsonl
-from common import TINY, cli, fails, fails_eval, run, run_eval
+from common import ENV, ROOT, TINY, cli, digest, fails, fails_eval, one_line_error, run, run_eval
 
 
 def test_eval_help_prints_its_docstring_and_every_default(capsys):
@@ -198,6 +200,29 @@ def test_an_unwritable_plot_file_is_one_line(trained, tmp_path):
     folder.mkdir()
     assert 'Is a directory' in fails_eval('--mode=plot', f'--out_dir={trained}', f'--plot_file={folder}')
     assert sorted(os.listdir(tmp_path)) == ['bpc.png'] and os.listdir(folder) == []
+
+
+def test_a_plot_is_written_whole_and_never_through_a_link(trained, tmp_path):
+    """A plot past the file-size limit (as a full disk would stop it) leaves the old plot whole
+    and no partial file; a link where the plot belongs is refused in one line naming it, and the
+    file it points to is unchanged."""
+    png = tmp_path / 'bpc.png'
+    run_eval('--mode=plot', f'--out_dir={trained}', f'--plot_file={png}')
+    before = digest(png)
+    assert os.path.getsize(png) > 16384
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+    result = subprocess.run([sys.executable, 'eval_char.py', '--mode=plot', f'--out_dir={trained}',
+                             f'--plot_file={png}'], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                            timeout=120, preexec_fn=limit)
+    one_line_error(result, 'the file size limit (ulimit -f) was reached')
+    assert digest(png) == before and os.listdir(tmp_path) == ['bpc.png']
+    victim = tmp_path / 'thesis.svg'
+    victim.write_text('years of work')
+    link = tmp_path / 'bpc.svg'
+    link.symlink_to(victim)
+    assert f'{link} is a symbolic link: refusing to write through it; remove it' in fails_eval(
+        '--mode=plot', f'--out_dir={trained}', f'--plot_file={link}')
+    assert victim.read_text() == 'years of work' and link.is_symlink()
 
 
 def test_eval_runs_the_model_without_dropout(trained, tmp_path, monkeypatch, capsys):

@@ -180,6 +180,24 @@ def test_copies_of_one_command_share_its_runs(tmp_path, monkeypatch):
     assert [(r['variant'], r['runs']) for r in rows] == [('mha', 2), ('damcha', 2)]
 
 
+def test_a_link_as_claim_lock_or_a_result_is_refused_and_left_alone(tmp_path):
+    """A symbolic link as a run's claim.lock, or where the study writes a result, is refused in one
+    line naming it: the file it points to keeps every byte and the link stays."""
+    victim = tmp_path / 'thesis.txt'
+    victim.write_text('years of work')
+    out, results = tmp_path / 'out' / 'mha-seed1', tmp_path / 'results'
+    out.mkdir(parents=True)
+    results.mkdir()
+    (out / 'claim.lock').symlink_to(victim)
+    with pytest.raises(SystemExit, match=f'error: {out}/claim.lock is a symbolic link: refusing to write through'):
+        reproduce.claim(str(out))
+    (results / 'summary.md').symlink_to(victim)
+    with pytest.raises(SystemExit, match=f'error: {results}/summary.md is a symbolic link: refusing to write'):
+        reproduce.lr_summary(['mha'], [1e-3], dict(mha=1), str(results), 'abc')
+    assert victim.read_text() == 'years of work' and (out / 'claim.lock').is_symlink()
+    assert (results / 'summary.md').is_symlink()
+
+
 def test_three_passes_dropout_at_the_rates_of_its_own_length_retrains_only_what_changed(tmp_path, monkeypatch):
     """three_passes_dropout_own_rates trains at sweep_three_passes_dropout's rates; a run of
     three_passes_dropout at the same rate and seed is that run (copied with its log), one at another
