@@ -8,10 +8,12 @@ run_folder.py: a training run's folder, and everything a run does to it (RunFold
     out_dir/train.lock       flock'ed for the run's lifetime; names the run that holds it
 
 Every file is written whole or not at all (atomic_write): a kill or a full disk never costs the last
-good checkpoint. No file is written through a symbolic link (open_own): a link where one belongs
-is refused, and left as it is. A new run refuses a folder holding a checkpoint or logs; a resume cuts the logs
+good checkpoint. A new run refuses a folder holding a checkpoint or logs; a resume cuts the logs
 back to its checkpoint; a stopped run says where a resume would start. docs/reliability.md lists
 each promise and the test that holds it.
+
+No file is written through a symbolic link (open_own): a link where one belongs is refused, and
+left as it is.
 """
 import errno
 import fcntl
@@ -30,8 +32,8 @@ import torch
 
 from shell import DIVERGED, die, exit_status, why
 
-# atomic_write's partial files, <file>.damcha-partial-<pid>-<random>.tmp (<file>.damcha-partial-<pid>.tmp
-# from older versions): the only files the project removes, and only a dead process's
+# atomic_write's partial files, <file>.damcha-partial-<pid>-<random>.tmp (older versions: without
+# -<random>): the only files the project removes, and only a dead process's
 PARTIAL = r'.+\.damcha-partial-(\d+)(?:-[0-9a-f]{8})?\.tmp'
 # what a run writes in its out_dir under these names: a link there is refused before the run starts
 OWN_FILES = ('ckpt.pt', 'log.jsonl', 'train_log.jsonl')
@@ -221,7 +223,8 @@ def open_own(path, flags):
     never opened through a symbolic link: someone sharing the folder may have put one there so
     that this process overwrites a file of their choosing, another user's say."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)   # 0o666 & ~umask, as open()
+        # mode 0o666 & ~umask, as open() gives
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as e:
         if e.errno == errno.ELOOP:   # O_NOFOLLOW's answer to a link
             refuse_link(path)

@@ -2,7 +2,8 @@
 The datasets, data/prepare.py and data/dataset.py: splits and vocabularies, a text file's own
 folder, preparation again when a source changes or a split is damaged, two preparations at once,
 enwik8 / text8 / mix from small archives made here (their size and checksum set for the test),
-downloads from a local server: verified, atomic, never repeated, and each failure one line.
+downloads from a local server: verified, atomic, never repeated, and each failure one line; a
+link as a split refused, and a dead preparation's partial files removed.
 
     python -m pytest -q tests/test_data.py
 """

@@ -1,7 +1,7 @@
 """
 eval_char.py: whole-split bpc (every target scored once, for any stride), mix's two corpora,
 sampling (its own settings, prompts as bytes, from a file, each sample printed as it is made),
-plots of several runs, and its one-line refusals.
+plots of several runs (written whole, never through a link), and its one-line refusals.
 
     python -m pytest -q tests/test_eval.py
 """

@@ -2,7 +2,9 @@
 A run's folder, run_folder.RunFolder: a kill and a resume neither repeat nor lose a log line, a
 torn last line is dropped, a second run is refused while the first holds the lock, a new run never
 replaces another's logs, saves are atomic (a full disk, the file size limit, Ctrl-C inside a save),
-and only the project's own temporary files are ever removed.
+and only the project's own temporary files are ever removed; no file is written through a
+symbolic link (train.lock, a log, ckpt.pt; another user's link too), and a FIFO as train.lock is
+refused.
 
     python -m pytest -q tests/test_run_folder.py
 
