@@ -48,7 +48,8 @@ def test_the_lock_names_only_the_run_that_holds_it(tmp_path):
 
 def test_only_the_projects_own_temporary_files_are_removed_from_an_out_dir(checkpointed, tmp_path):
     """A run takes its out_dir and removes what a run killed mid-save left there (its own partial
-    files, named <file>.damcha-partial-<pid>.tmp), never a user's file that merely looks temporary."""
+    files, here of the older name <file>.damcha-partial-<pid>.tmp), never a user's file that merely
+    looks temporary."""
     out = copy_of(checkpointed, tmp_path)
     users = ['notes.2024.tmp', 'backup.1.tmp', 'ckpt.pt.123.tmp', 'x.damcha-partial-1.tmp.bak']
     for name in users:
