@@ -28,7 +28,9 @@ from run_folder import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
+# a pid above any pid_max (at most 2 ** 22): never a live process's, as a dead run's partial
+# file names it
+NO_PID = 2 ** 22 + 1
 TINY = ['--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=4', '--gen_width=16',
         '--eval_iters=2', '--log_interval=5', '--max_new_tokens=20', '--device=cpu', '--compile=False',
         '--warmup_iters=2']

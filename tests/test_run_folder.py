@@ -28,7 +28,7 @@ import torch
 import data.prepare as prep
 import train_char as tc
 from run_folder import PARTIAL, RunFolder, atomic_write, read_jsonl
-from common import ENV, ROOT, TINY, cli, copy_of, digest, fails, iters, one_line_error, start, wait_for
+from common import ENV, NO_PID, ROOT, TINY, cli, copy_of, digest, fails, iters, one_line_error, start, wait_for
 
 
 def test_the_lock_names_only_the_run_that_holds_it(tmp_path):
@@ -54,10 +54,10 @@ def test_only_the_projects_own_temporary_files_are_removed_from_an_out_dir(check
     users = ['notes.2024.tmp', 'backup.1.tmp', 'ckpt.pt.123.tmp', 'x.damcha-partial-1.tmp.bak']
     for name in users:
         (out / name).write_text('mine')
-    (out / 'ckpt.pt.damcha-partial-99999.tmp').write_bytes(b'half a checkpoint')
+    (out / f'ckpt.pt.damcha-partial-{NO_PID}.tmp').write_bytes(b'half a checkpoint')
     tc.main([f'--out_dir={out}', '--init_from=resume', '--max_iters=9'])
     assert all((out / name).read_text() == 'mine' for name in users)
-    assert not (out / 'ckpt.pt.damcha-partial-99999.tmp').exists()
+    assert not (out / f'ckpt.pt.damcha-partial-{NO_PID}.tmp').exists()
 def test_a_new_run_never_replaces_the_logs_of_another(checkpointed, tmp_path, data_dir, monkeypatch, capsys):
     """An out_dir that holds logs but no checkpoint (moved away, or a link to a missing file) is
     refused by a new run, saying what is there and what to do; the logs stay as they were. Empty
@@ -206,7 +206,7 @@ def test_a_second_run_is_refused_and_the_lock_dies_with_the_first(tmp_path, data
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
-    (out / 'ckpt.pt.damcha-partial-99999.tmp').write_bytes(b'half a checkpoint')   # as a kill mid-save leaves it
+    (out / f'ckpt.pt.damcha-partial-{NO_PID}.tmp').write_bytes(b'half a checkpoint')   # as a kill mid-save leaves it
     saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
     tc.main([f'--out_dir={out}', '--init_from=resume', f'--max_iters={saved + 1}'])   # the kernel freed the lock
     assert not glob.glob(str(out / '*.tmp'))
