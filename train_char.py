@@ -28,6 +28,9 @@ import sys
 import textwrap
 import time
 
+# first: its excepthook makes memory too short to import torch one line, not a traceback
+from shell import die, one_line_errors, signals_as_ctrl_c
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -40,7 +43,6 @@ from configurator import check_run_settings, configure
 from damcha_torch import GPT, GPTConfig
 from data import dataset
 from run_folder import Diverged, RunFolder
-from shell import die, one_line_errors, signals_as_ctrl_c
 
 # ---------------------------------------------------------------------------------------------
 # Settings: a small DAMCHA that learns Shakespeare in minutes on a CPU. The comment beside each
@@ -257,6 +259,8 @@ def train(cfg, given, run, attentions):
             f"of the {world} processes")
     device, dtype, ctx = devices.setup(cfg['device'], cfg['dtype'], model_args['kernel'],
                                        local_rank)
+    if cfg['compile']:
+        devices.check_compiler(device)
     if ddp:
         dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
 
