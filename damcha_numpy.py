@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from configurator import configure   # the settings parser of every script; no torch
-from shell import die                 # one-line errors, as every script gives them
+from shell import die, memory_for, not_a_file, one_line_errors   # one-line errors; no torch
 
 
 @dataclass
@@ -670,10 +670,13 @@ def main(argv):
                             doc=__doc__)   # lr < 0 would climb the loss
     if not 0 <= settings["seed"] < 2**32:
         die(f"--seed must be a whole number from 0 to 2**32 - 1, not {settings['seed']}")
-    if not Path(settings["data"]).is_file():
+    if not_a_file(settings["data"]):   # read whole, a FIFO would block and a device never end
+        die(f"--data={settings['data']} is {not_a_file(settings['data'])}, not a text file")
+    if not Path(settings["data"]).exists():
         die(f"--data={settings['data']}: no such file")
     try:
-        data, vocab = load_corpus(settings["data"])
+        with memory_for(f"reading --data={settings['data']}", "give a smaller file"):
+            data, vocab = load_corpus(settings["data"])
     except OSError as e:   # a file that exists but cannot be read
         die(f"--data={settings['data']}: cannot read it ({e.strerror or e})")
     if not len(data):
@@ -722,4 +725,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with one_line_errors("batch_size, block_size, n_embd or n_layer"):   # a batch out of memory
+        main(sys.argv[1:])
