@@ -28,7 +28,7 @@ import os
 import sys
 
 # first: its excepthook makes memory too short to import torch one line, not a traceback
-from shell import die, one_line_errors
+from shell import die, memory_for, one_line_errors
 
 import numpy as np
 import torch
@@ -98,7 +98,8 @@ def evaluate(cfg, given, attentions):
     if cfg['compile']:
         devices.check_compiler(device)
         model = torch.compile(model)
-    corpora, _ = dataset.load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'])
+    with memory_for(f"preparing or loading the dataset {cfg['dataset']}", "give a smaller one"):
+        corpora, _ = dataset.load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'])
     dataset.check_lengths(corpora, ('val', 'test'), cfg['block_size'])
     result = dict(dataset=cfg['dataset'], iter=ckpt['iter_num'], block_size=cfg['block_size'],
                   stride=cfg['stride'] or cfg['block_size'])

@@ -29,7 +29,7 @@ import textwrap
 import time
 
 # first: its excepthook makes memory too short to import torch one line, not a traceback
-from shell import die, one_line_errors, signals_as_ctrl_c
+from shell import die, memory_for, one_line_errors, signals_as_ctrl_c
 
 import numpy as np
 import torch
@@ -271,7 +271,9 @@ def train(cfg, given, run, attentions):
             dist.barrier()
         except RuntimeError:   # rank 0 stopped: its own error says why
             die("rank 0 stopped before the data were ready; its error is above")
-    corpora, vocab = dataset.load_dataset(cfg['dataset'], cfg['data_dir'], ckpt and ckpt['vocab'])
+    with memory_for(f"preparing or loading the dataset {cfg['dataset']}", "give a smaller one"):
+        corpora, vocab = dataset.load_dataset(cfg['dataset'], cfg['data_dir'],
+                                              ckpt and ckpt['vocab'])
     if ddp and master:
         dist.barrier()
     if ckpt is None:

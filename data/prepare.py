@@ -47,7 +47,7 @@ if __name__ == '__main__':
     sys.path.insert(0, os.path.dirname(HERE))
 from configurator import configure  # noqa: E402
 from run_folder import atomic_write  # noqa: E402
-from shell import die, not_a_file  # noqa: E402
+from shell import die, memory_for, not_a_file  # noqa: E402
 
 # The downloadable corpora. The tests point these at small archives of their own.
 SOURCES = {
@@ -263,7 +263,8 @@ def main(argv):
         # all checked first
         expanded = [n for name in names for n in corpus_names(name, options['data_dir'])]
         for n in dict.fromkeys(expanded):   # each once: `enwik8 mix` prepares enwik8 once
-            meta = prepare(n, options['data_dir'])
+            with memory_for(f"preparing the dataset {n}", "give a smaller one"):
+                meta = prepare(n, options['data_dir'])
             print(f"{n}: {meta['dir']}: "
                   + ', '.join(f'{s} {k:,}' for s, k in meta['splits'].items())
                   + f" tokens, vocabulary of {len(meta['vocab'])}")
