@@ -619,6 +619,24 @@ def load_corpus(path):
     return np.searchsorted(vocab, raw).astype(np.uint8), vocab
 
 
+def read_data(path):
+    """load_corpus(path), each way it can fail one line naming --data: a path that is no regular
+    file (read whole, a FIFO would block and a device never end), none at all, one that cannot be
+    read, one too big for memory, an empty one."""
+    if not_a_file(path):
+        die(f"--data={path} is {not_a_file(path)}, not a text file")
+    if not Path(path).exists():
+        die(f"--data={path}: no such file")
+    try:
+        with memory_for(f"reading --data={path}", "give a smaller file"):
+            data, vocab = load_corpus(path)
+    except OSError as e:   # a file that exists but cannot be read
+        die(f"--data={path}: cannot read it ({e.strerror or e})")
+    if not len(data):
+        die(f"--data={path}: the file is empty")
+    return data, vocab
+
+
 def get_batch(data, batch_size, block_size, rng):
     # every window of block_size + 1 tokens (inputs and their next tokens), the last one included
     ix = rng.integers(0, len(data) - block_size, batch_size)
@@ -670,17 +688,7 @@ def main(argv):
                             doc=__doc__)   # lr < 0 would climb the loss
     if not 0 <= settings["seed"] < 2**32:
         die(f"--seed must be a whole number from 0 to 2**32 - 1, not {settings['seed']}")
-    if not_a_file(settings["data"]):   # read whole, a FIFO would block and a device never end
-        die(f"--data={settings['data']} is {not_a_file(settings['data'])}, not a text file")
-    if not Path(settings["data"]).exists():
-        die(f"--data={settings['data']}: no such file")
-    try:
-        with memory_for(f"reading --data={settings['data']}", "give a smaller file"):
-            data, vocab = load_corpus(settings["data"])
-    except OSError as e:   # a file that exists but cannot be read
-        die(f"--data={settings['data']}: cannot read it ({e.strerror or e})")
-    if not len(data):
-        die(f"--data={settings['data']}: the file is empty")
+    data, vocab = read_data(settings["data"])
     prompt = encode_start(settings["start"], vocab)
     try:
         config = GPTConfig(**{f.name: settings[f.name] for f in fields(GPTConfig) if f.name in settings},
