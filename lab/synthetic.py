@@ -9,8 +9,8 @@ attention across four feature subspaces, one per head.
     python lab/synthetic.py --steps=6000 --lambdas=0,0.6,1 --dims= --out=results/synthetic/long
                                          # the longer-training check of the regression
 
-Settings are --key=value (configurator.py): quick, out, workers, steps, batch, lr, n_layer, seeds,
-lambdas and dims (comma lists; empty skips the task).
+Settings are --key=value (configurator.py): quick, out, workers (at most one per job), steps, batch, lr,
+n_layer, seeds, lambdas and dims (comma lists; empty skips the task).
 
 The paper (Appendix I) describes the tasks' structure; the formulas below are ours, and the paper's may differ.
 
@@ -372,7 +372,8 @@ def main(argv):
     jobs.sort(key=lambda j: -(j[1] if j[0] == "classification" else REG_DIM))   # the big ones first
     workers = min(cfg["workers"], len(jobs))   # a worker more is a process and a torch more, idle
     if workers < cfg["workers"]:
-        print(f"note: {len(jobs)} job(s), so {workers} worker(s), not workers={cfg['workers']}", file=sys.stderr)
+        print(f"note: {len(jobs)} job(s), so {workers} worker(s), not workers={cfg['workers']}",
+              file=sys.stderr)
     t0 = time.time()
     rows = run_jobs(jobs, workers)
     meta = dict(settings, seeds=cfg["seeds"], T=T, H=H, beta=BETA, K=K, reg_dim=REG_DIM, cls_lambda=CLS_LAMBDA,

@@ -268,7 +268,7 @@ def test_a_dataset_too_big_for_memory_names_the_dataset_not_the_eval_settings(tm
     big = tmp_path / 'big.txt'
     with open(big, 'wb') as f:   # 400 MB of zero bytes, sparse: its token ids need 3.2 GB as int64
         f.truncate(400 * 10**6)
-    result = cli(f'--out_dir={trained}', f'--dataset={big}', f'--data_dir={tmp_path / "data"}', script='eval_char.py',
-                 preexec_fn=limit_memory(3 * 10**9))
+    result = cli(f'--out_dir={trained}', f'--dataset={big}', f'--data_dir={tmp_path / "data"}',
+                 script='eval_char.py', preexec_fn=limit_memory(3 * 10**9))
     one_line_error(result, f'out of memory preparing or loading the dataset {big} (')
     assert 'ulimit -v' in result.stderr and 'lower' not in result.stderr

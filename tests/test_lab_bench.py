@@ -220,6 +220,7 @@ def test_bad_setting_gives_one_line_not_a_traceback():
 def test_a_block_out_of_memory_is_one_line():
     """A block too big for memory under ulimit -v, here in the fresh process that measures a train
     step's memory, ends bench.py in one line naming the settings to lower."""
-    out = cli("--quick", "--block_size=1000000", "--repeats=1", script="lab/bench.py", preexec_fn=limit_memory(3 * 10**9))
+    out = cli("--quick", "--block_size=1000000", "--repeats=1", script="lab/bench.py",
+              preexec_fn=limit_memory(3 * 10**9))
     one_line_error(out, "out of memory (")
     assert "lower block_size, batch_size, n_embd, n_layer or sweep_batch" in out.stderr

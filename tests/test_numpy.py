@@ -456,13 +456,15 @@ def test_data_that_is_no_file_or_too_big_and_a_batch_out_of_memory_are_one_line(
     opened, so nothing waits on it); a file too big to read under ulimit -v names the file and the
     limit; a batch out of memory names the settings to lower."""
     os.mkfifo(tmp_path / "fifo")
-    for path, kind in (("/dev/null", "a device or socket"), (tmp_path, "a directory"), (tmp_path / "fifo", "a FIFO")):
+    kinds = (("/dev/null", "a device or socket"), (tmp_path, "a directory"), (tmp_path / "fifo", "a FIFO"))
+    for path, kind in kinds:
         one_line_error(cli(f"--data={path}", script="damcha_numpy.py", timeout=30), f"--data={path} is {kind}")
     big = tmp_path / "big.txt"
     with open(big, "wb") as f:   # 100 MB of zero bytes, sparse: its token ids need 800 MB as int64
         f.truncate(100 * 10**6)
     limit = limit_memory(600 * 2**20)
-    one_line_error(cli(f"--data={big}", script="damcha_numpy.py", preexec_fn=limit), f"out of memory reading --data={big} (")
+    one_line_error(cli(f"--data={big}", script="damcha_numpy.py", preexec_fn=limit),
+                   f"out of memory reading --data={big} (")
     tiny = ["--n_layer=1", "--block_size=8", "--n_embd=8", "--n_head=2", "--gen_width=4", "--iters=1"]
     result = cli("--batch_size=1000000000", *tiny, script="damcha_numpy.py", preexec_fn=limit)
     one_line_error(result, "out of memory (")
