@@ -17,7 +17,7 @@ import os
 import re
 import sys
 
-from shell import die, pipe_closed
+from shell import die, not_a_file, pipe_closed
 
 
 def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=None,
@@ -47,8 +47,12 @@ def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=No
             elif not eq and key in defaults:   # an unknown --key is said below, with a suggestion
                 die(f"{arg}: options are written --key=value")
             updates, from_text = {key: text}, True
+        elif not_a_file(arg):
+            die(f"{arg} is {not_a_file(arg)}, not a config file")
         elif os.path.isfile(arg):
             updates, from_text = read_config_file(arg), False
+        elif arg.startswith('-'):   # -x, a single dash: an option mistyped, not a file
+            die(f"{arg}: no such option (options are written --key=value; --help lists them)")
         else:
             die(f"{arg}: no such config file (options are written --key=value)")
         for key, value in updates.items():

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from configurator import configure   # the settings parser of every script; no torch
-from shell import die                 # one-line errors, as every script gives them
+from shell import die, memory_for, not_a_file, one_line_errors   # one-line errors; no torch
 
 
 @dataclass
@@ -619,6 +619,24 @@ def load_corpus(path):
     return np.searchsorted(vocab, raw).astype(np.uint8), vocab
 
 
+def read_data(path):
+    """load_corpus(path), each way it can fail one line naming --data: a path that is no regular
+    file (read whole, a FIFO would block and a device never end), none at all, one that cannot be
+    read, one too big for memory, an empty one."""
+    if not_a_file(path):
+        die(f"--data={path} is {not_a_file(path)}, not a text file")
+    if not Path(path).exists():
+        die(f"--data={path}: no such file")
+    try:
+        with memory_for(f"reading --data={path}", "give a smaller file"):
+            data, vocab = load_corpus(path)
+    except OSError as e:   # a file that exists but cannot be read
+        die(f"--data={path}: cannot read it ({e.strerror or e})")
+    if not len(data):
+        die(f"--data={path}: the file is empty")
+    return data, vocab
+
+
 def get_batch(data, batch_size, block_size, rng):
     # every window of block_size + 1 tokens (inputs and their next tokens), the last one included
     ix = rng.integers(0, len(data) - block_size, batch_size)
@@ -670,14 +688,7 @@ def main(argv):
                             doc=__doc__)   # lr < 0 would climb the loss
     if not 0 <= settings["seed"] < 2**32:
         die(f"--seed must be a whole number from 0 to 2**32 - 1, not {settings['seed']}")
-    if not Path(settings["data"]).is_file():
-        die(f"--data={settings['data']}: no such file")
-    try:
-        data, vocab = load_corpus(settings["data"])
-    except OSError as e:   # a file that exists but cannot be read
-        die(f"--data={settings['data']}: cannot read it ({e.strerror or e})")
-    if not len(data):
-        die(f"--data={settings['data']}: the file is empty")
+    data, vocab = read_data(settings["data"])
     prompt = encode_start(settings["start"], vocab)
     try:
         config = GPTConfig(**{f.name: settings[f.name] for f in fields(GPTConfig) if f.name in settings},
@@ -722,4 +733,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with one_line_errors("batch_size, block_size, n_embd or n_layer"):   # a batch out of memory
+        main(sys.argv[1:])

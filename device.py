@@ -1,8 +1,9 @@
 """
 device.py: the device a script runs on, and what it can run there: the device picked from a setting
 (auto: CUDA, then MPS, then the CPU), the precision (autocast for half precision, weights in
-float32), whether the fused Triton kernel runs there, and whether rows of a batch fit its memory.
-train_char.py and eval_char.py call setup(); each refusal is one line (shell.die).
+float32), whether the fused Triton kernel runs there, whether torch.compile can build for it, and
+whether rows of a batch fit its memory. train_char.py and eval_char.py call setup(); each refusal
+is one line (shell.die).
 """
 import importlib.util
 import math
@@ -72,6 +73,25 @@ def check_kernel(kernel, device, dtype):
     if not device.startswith('cuda') and dtype != 'float32':
         die(f"kernel=triton on a CPU runs in Triton's interpreter, which cannot train in {dtype}; "
             "use --dtype=float32")
+
+
+def check_compiler(device):
+    """Refuse --compile=True on a CPU without a working C++ compiler, which Inductor needs there:
+    found the way Inductor looks for one (CXX, else g++), before the run starts, rather than a
+    traceback of some hundred lines at the first forward pass."""
+    if device != 'cpu':
+        return
+    try:   # here, not at the top: it takes a second to import, and only compile needs it
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:   # a torch that keeps it elsewhere: its own error, if any, tells
+        return
+    try:
+        get_cpp_compiler()
+    except RuntimeError:   # Inductor's InvalidCxxCompiler
+        cxx = os.environ.get('CXX')
+        found = f"CXX={cxx} does not run" if cxx else "none found: CXX unset, no g++ on the PATH"
+        die(f"--compile=True needs a working C++ compiler ({found}): install gcc/g++, or run "
+            "without --compile")
 
 
 def check_fits(cfg, key, device, training=False):

@@ -27,6 +27,9 @@ import math
 import os
 import sys
 
+# first: its excepthook makes memory too short to import torch one line, not a traceback
+from shell import die, memory_for, one_line_errors
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -38,7 +41,6 @@ from configurator import check_run_settings, configure
 from damcha_torch import GPT, GPTConfig
 from data import dataset
 from run_folder import atomic_write, read_jsonl
-from shell import die, one_line_errors
 
 DEFAULTS = dict(
     mode='eval',                  # eval | sample | plot
@@ -94,8 +96,10 @@ def evaluate(cfg, given, attentions):
             "tokens would go unscored")
     devices.check_fits(cfg, 'batch_size', device)
     if cfg['compile']:
+        devices.check_compiler(device)
         model = torch.compile(model)
-    corpora, _ = dataset.load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'])
+    with memory_for(f"preparing or loading the dataset {cfg['dataset']}", "give a smaller one"):
+        corpora, _ = dataset.load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'])
     dataset.check_lengths(corpora, ('val', 'test'), cfg['block_size'])
     result = dict(dataset=cfg['dataset'], iter=ckpt['iter_num'], block_size=cfg['block_size'],
                   stride=cfg['stride'] or cfg['block_size'])

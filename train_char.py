@@ -28,6 +28,9 @@ import sys
 import textwrap
 import time
 
+# first: its excepthook makes memory too short to import torch one line, not a traceback
+from shell import die, memory_for, one_line_errors, signals_as_ctrl_c
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -40,7 +43,6 @@ from configurator import check_run_settings, configure
 from damcha_torch import GPT, GPTConfig
 from data import dataset
 from run_folder import Diverged, RunFolder
-from shell import die, one_line_errors, signals_as_ctrl_c
 
 # ---------------------------------------------------------------------------------------------
 # Settings: a small DAMCHA that learns Shakespeare in minutes on a CPU. The comment beside each
@@ -257,6 +259,8 @@ def train(cfg, given, run, attentions):
             f"of the {world} processes")
     device, dtype, ctx = devices.setup(cfg['device'], cfg['dtype'], model_args['kernel'],
                                        local_rank)
+    if cfg['compile']:
+        devices.check_compiler(device)
     if ddp:
         dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
 
@@ -267,7 +271,9 @@ def train(cfg, given, run, attentions):
             dist.barrier()
         except RuntimeError:   # rank 0 stopped: its own error says why
             die("rank 0 stopped before the data were ready; its error is above")
-    corpora, vocab = dataset.load_dataset(cfg['dataset'], cfg['data_dir'], ckpt and ckpt['vocab'])
+    with memory_for(f"preparing or loading the dataset {cfg['dataset']}", "give a smaller one"):
+        corpora, vocab = dataset.load_dataset(cfg['dataset'], cfg['data_dir'],
+                                              ckpt and ckpt['vocab'])
     if ddp and master:
         dist.barrier()
     if ckpt is None:

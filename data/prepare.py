@@ -33,7 +33,6 @@ import hashlib
 import http.client
 import json
 import os
-import stat
 import sys
 import urllib.request
 import zipfile
@@ -48,7 +47,7 @@ if __name__ == '__main__':
     sys.path.insert(0, os.path.dirname(HERE))
 from configurator import configure  # noqa: E402
 from run_folder import atomic_write, remove_partials  # noqa: E402
-from shell import die  # noqa: E402
+from shell import die, memory_for, not_a_file  # noqa: E402
 
 # The downloadable corpora. The tests point these at small archives of their own.
 SOURCES = {
@@ -239,11 +238,9 @@ def text_file_dir(path, data_dir):
     saying what it is."""
     if not os.path.exists(path):
         die(f"dataset {path!r} is neither shakespeare, enwik8, text8, mix nor an existing file")
-    if not os.path.isfile(path):   # a FIFO would hand its data over once, and a directory has none
-        kind = ('a directory' if os.path.isdir(path) else 'a FIFO (named pipe)'
-                if stat.S_ISFIFO(os.stat(path).st_mode) else 'a device or socket')
-        die(f"dataset {path!r} is {kind}, not a regular file: a dataset is a file read whole at "
-            "each use (to check its prepared data against it)")
+    if not_a_file(path):   # a FIFO would hand its data over once, and a directory has none
+        die(f"dataset {path!r} is {not_a_file(path)}, not a regular file: a dataset is a file read "
+            "whole at each use (to check its prepared data against it)")
     full = os.path.realpath(path).encode(errors='surrogateescape')
     stem = os.path.splitext(os.path.basename(path))[0]
     return os.path.join(data_dir, f'{stem}-{hashlib.sha256(full).hexdigest()[:8]}')
@@ -268,7 +265,8 @@ def main(argv):
         # all checked first
         expanded = [n for name in names for n in corpus_names(name, options['data_dir'])]
         for n in dict.fromkeys(expanded):   # each once: `enwik8 mix` prepares enwik8 once
-            meta = prepare(n, options['data_dir'])
+            with memory_for(f"preparing the dataset {n}", "give a smaller one"):
+                meta = prepare(n, options['data_dir'])
             print(f"{n}: {meta['dir']}: "
                   + ', '.join(f'{s} {k:,}' for s, k in meta['splits'].items())
                   + f" tokens, vocabulary of {len(meta['vocab'])}")

@@ -55,18 +55,20 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 if ROOT not in sys.path:   # run as a file (python lab/bench.py): the book's modules are in the root
     sys.path.insert(0, ROOT)
 
+# first: its excepthook makes memory too short to import torch one line, not a traceback
+from shell import die, one_line_errors
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
 import damcha_numpy
 from configurator import configure
 from damcha_torch import GPTConfig, MetricQuery
-from shell import die
 from lab.counts import count_params, equal_params_width, estimate_mfu
 from lab.variants import build
 
@@ -170,8 +172,11 @@ def fresh_process_peak_memory(fields, batch_size, device="cpu", dtype=torch.floa
     start from nothing. Returns (before, peak) in MiB."""
     code = (f"import torch; from lab import bench; torch.set_num_threads(1); print(*bench.train_step_peak_memory("
             f"{fields!r}, {batch_size}, {device!r}, {dtype}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:   # its last line says why (shell.last_resort's line, if memory ran out)
+        why = (out.stderr.strip().splitlines() or ["no message"])[-1].removeprefix("error: ")
+        raise (MemoryError if why.startswith("out of memory") else RuntimeError)(
+            f"the process measuring a train step's memory: {why}")
     return tuple(float(s) for s in out.stdout.split())
 
 
@@ -397,4 +402,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with one_line_errors("block_size, batch_size, n_embd, n_layer or sweep_batch"):
+        main(sys.argv[1:])

@@ -9,8 +9,8 @@ attention across four feature subspaces, one per head.
     python lab/synthetic.py --steps=6000 --lambdas=0,0.6,1 --dims= --out=results/synthetic/long
                                          # the longer-training check of the regression
 
-Settings are --key=value (configurator.py): quick, out, workers, steps, batch, lr, n_layer, seeds,
-lambdas and dims (comma lists; empty skips the task).
+Settings are --key=value (configurator.py): quick, out, workers (at most one per job), steps, batch, lr,
+n_layer, seeds, lambdas and dims (comma lists; empty skips the task).
 
 The paper (Appendix I) describes the tasks' structure; the formulas below are ours, and the paper's may differ.
 
@@ -66,19 +66,21 @@ import sys
 import tempfile
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 if ROOT not in sys.path:   # run as a file (python lab/synthetic.py): the book's modules are in the root
     sys.path.insert(0, ROOT)
+
+# first: its excepthook makes memory too short to import torch one line, not a traceback
+from shell import die, one_line_errors
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from configurator import configure
 from damcha_torch import (Block, CausalSelfAttention, DamchaAttention, Generator, GPTConfig,
                           configure_optimizers, init_weights)
 from run_folder import to_json, write_text
-from shell import die
 from train_char import get_lr
 from lab.counts import count_params, equal_params_width
 
@@ -369,10 +371,14 @@ def main(argv):
     jobs = [("regression", lam, s, settings) for lam in lambdas for s in range(cfg["seeds"])]
     jobs += [("classification", d, s, settings) for d in dims for s in range(cfg["seeds"])]
     jobs.sort(key=lambda j: -(j[1] if j[0] == "classification" else REG_DIM))   # the big ones first
+    workers = min(cfg["workers"], len(jobs))   # a worker more is a process and a torch more, idle
+    if workers < cfg["workers"]:
+        print(f"note: {len(jobs)} job(s), so {workers} worker(s), not workers={cfg['workers']}",
+              file=sys.stderr)
     t0 = time.time()
-    rows = run_jobs(jobs, cfg["workers"])
+    rows = run_jobs(jobs, workers)
     meta = dict(settings, seeds=cfg["seeds"], T=T, H=H, beta=BETA, K=K, reg_dim=REG_DIM, cls_lambda=CLS_LAMBDA,
-                n_train=N_TRAIN, n_test=N_TEST, lambdas=list(lambdas), dims=list(dims), workers=cfg["workers"],
+                n_train=N_TRAIN, n_test=N_TEST, lambdas=list(lambdas), dims=list(dims), workers=workers,
                 wall_seconds=round(time.time() - t0, 1), torch=torch.__version__,
                 command="python lab/synthetic.py " + " ".join(argv))
     write_results(rows, meta, out_dir)
@@ -380,4 +386,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with one_line_errors("batch, dims or n_layer"):   # a run out of memory, in a worker or here
+        main(sys.argv[1:])

@@ -64,9 +64,10 @@ def fails_eval(*argv):
     return fails(*argv, main=ec.main)
 
 
-def cli(*args, script='train_char.py', timeout=120):
+def cli(*args, script='train_char.py', timeout=120, env=ENV, preexec_fn=None):
+    """A script run as a process, with what it printed; preexec_fn: as subprocess takes it (limit_memory)."""
     return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, timeout=timeout,
-                          env=ENV, text=not any(isinstance(a, bytes) for a in args))
+                          env=env, preexec_fn=preexec_fn, text=not any(isinstance(a, bytes) for a in args))
 
 
 def start(*args):

@@ -26,7 +26,7 @@ import data.prepare as prep
 import eval_char as ec
 import train_char as tc
 from data import dataset
-from common import ENV, ROOT, copy_of, fails, make_corpora, run, text_file
+from common import ENV, ROOT, cli, copy_of, fails, limit_memory, make_corpora, one_line_error, run, text_file
 
 
 def test_shakespeare_is_split_90_10_over_its_distinct_bytes(data_dir):
@@ -128,6 +128,24 @@ def test_prepare_script_says_why_a_data_dir_cannot_be_made_in_one_line(tmp_path)
     blocker.write_text('')
     message = fails(text, f'--data_dir={blocker / "data"}', main=prep.main)
     assert 'Not a directory' in message and str(blocker) in message
+
+
+def test_prepare_script_calls_a_single_dash_a_mistyped_option(tmp_path):
+    """data/prepare.py -x: an option mistyped (options are --key=value), not a missing config file."""
+    one_line_error(cli('-x', 'shakespeare', f'--data_dir={tmp_path}', script='data/prepare.py'),
+                   '-x: no such option (options are written --key=value')
+
+
+def test_prepare_script_names_a_file_too_big_for_memory(tmp_path):
+    """data/prepare.py on a text file that cannot be prepared under ulimit -v: one line naming the
+    file and the limit."""
+    big = tmp_path / 'big.txt'
+    with open(big, 'wb') as f:   # 400 MB of zero bytes, sparse: its token ids need 3.2 GB as int64
+        f.truncate(400 * 10**6)
+    result = cli(str(big), f'--data_dir={tmp_path / "data"}', script='data/prepare.py',
+                 preexec_fn=limit_memory(3 * 10**9))
+    one_line_error(result, f'out of memory preparing the dataset {big} (')
+    assert 'the memory limit (ulimit -v) of 2,861 MiB: raise the limit, or give a smaller one' in result.stderr
 
 
 def test_enwik8_text8_and_mix_from_archives(corpora, monkeypatch, capsys):

@@ -22,7 +22,8 @@ import data.prepare as prep
 import eval_char as ec
 import train_char as tc
 from run_folder import read_jsonl
-from common import ENV, ROOT, TINY, cli, digest, fails, fails_eval, one_line_error, run, run_eval
+from common import (ENV, ROOT, TINY, cli, digest, fails, fails_eval, limit_memory, one_line_error,
+                    run, run_eval)
 
 
 def test_eval_help_prints_its_docstring_and_every_default(capsys):
@@ -285,3 +286,15 @@ def test_prompts_are_bytes(byte_model, data_dir, capsys):
     assert 'the dataset has neither a newline nor a space' in fails(*TINY, f'--dataset={byte_model / "raw.bin"}',
                                                                     f'--data_dir={data_dir}', f'--out_dir={byte_model / "never"}')
     assert not os.path.exists(byte_model / 'never')   # out_dir is made (and locked) once the input is checked
+
+
+def test_a_dataset_too_big_for_memory_names_the_dataset_not_the_eval_settings(tmp_path, trained):
+    """Evaluated on a text file whose preparation cannot fit under ulimit -v, a run ends in one line
+    naming the dataset and the limit, not batch_size or block_size, which had no part in it."""
+    big = tmp_path / 'big.txt'
+    with open(big, 'wb') as f:   # 400 MB of zero bytes, sparse: its token ids need 3.2 GB as int64
+        f.truncate(400 * 10**6)
+    result = cli(f'--out_dir={trained}', f'--dataset={big}', f'--data_dir={tmp_path / "data"}',
+                 script='eval_char.py', preexec_fn=limit_memory(3 * 10**9))
+    one_line_error(result, f'out of memory preparing or loading the dataset {big} (')
+    assert 'ulimit -v' in result.stderr and 'lower' not in result.stderr

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common import cli, limit_memory, one_line_error
 from damcha_torch import GPTConfig
 from lab import bench, counts
 from lab.variants import build
@@ -214,3 +215,12 @@ def test_bad_setting_gives_one_line_not_a_traceback():
     out = subprocess.run([sys.executable, "lab/bench.py", "--n_head=3"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr == "error: n_head (3) must divide n_embd (128)\n"
+
+
+def test_a_block_out_of_memory_is_one_line():
+    """A block too big for memory under ulimit -v, here in the fresh process that measures a train
+    step's memory, ends bench.py in one line naming the settings to lower."""
+    out = cli("--quick", "--block_size=1000000", "--repeats=1", script="lab/bench.py",
+              preexec_fn=limit_memory(3 * 10**9))
+    one_line_error(out, "out of memory (")
+    assert "lower block_size, batch_size, n_embd, n_layer or sweep_batch" in out.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import fails
+from common import cli, fails, limit_memory, one_line_error
 from lab import synthetic as syn
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "synthetic"
@@ -275,3 +275,19 @@ def test_a_seed_draws_the_model_it_always_drew(attn):
 def test_dims_that_cannot_fit_are_one_line(tmp_path):
     """synthetic.py refuses dims that cannot fit in memory before allocating them, in one line."""
     assert 'dims=100000 asks for more than' in fails('--dims=100000', f'--out={tmp_path / "syn"}', main=syn.main)
+
+
+def test_a_batch_out_of_memory_is_one_line(tmp_path):
+    """A batch too big for memory under ulimit -v ends synthetic.py in one line naming the
+    settings to lower."""
+    result = cli("--batch=10000000", "--lambdas=0", "--dims=", "--seeds=1", "--steps=2", "--workers=1",
+                 f"--out={tmp_path}", script="lab/synthetic.py", preexec_fn=limit_memory(3 * 10**9))
+    one_line_error(result, "out of memory (")
+    assert "lower batch, dims or n_layer" in result.stderr
+
+
+def test_workers_are_capped_at_the_number_of_jobs(tmp_path, one_thread, capsys):
+    """One job with --workers=6 runs in one process, says so, and records 1 worker."""
+    syn.main(["--lambdas=0", "--dims=", "--seeds=1", "--steps=2", "--workers=6", f"--out={tmp_path}"])
+    assert "note: 1 job(s), so 1 worker(s), not workers=6" in capsys.readouterr().err
+    assert json.loads((tmp_path / "summary.json").read_text())["settings"]["workers"] == 1

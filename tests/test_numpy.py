@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import damcha_numpy as dn
-from common import cli, fails
+from common import cli, fails, limit_memory, one_line_error
 from spec_reference import reference_forward, reference_random_params
 
 # three layers: with two, a shared metric gets dm from one layer only, and its sum over layers goes untested
@@ -449,3 +449,23 @@ def test_damcha_numpy_checks_before_training_and_stops_on_a_non_finite_loss(tmp_
     result = cli('--start=ROMEO:', '--block_size=6', '--n_layer=1', '--iters=1', '--eval_every=1', '--warmup=1',
                  script='damcha_numpy.py')   # as long as the context: taken
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_data_that_is_no_file_or_too_big_and_a_batch_out_of_memory_are_one_line(tmp_path):
+    """--data given /dev/null, a directory or a FIFO is named for what it is (the FIFO is never
+    opened, so nothing waits on it); a file too big to read under ulimit -v names the file and the
+    limit; a batch out of memory names the settings to lower."""
+    os.mkfifo(tmp_path / "fifo")
+    kinds = (("/dev/null", "a device or socket"), (tmp_path, "a directory"), (tmp_path / "fifo", "a FIFO"))
+    for path, kind in kinds:
+        one_line_error(cli(f"--data={path}", script="damcha_numpy.py", timeout=30), f"--data={path} is {kind}")
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:   # 100 MB of zero bytes, sparse: its token ids need 800 MB as int64
+        f.truncate(100 * 10**6)
+    limit = limit_memory(600 * 2**20)
+    one_line_error(cli(f"--data={big}", script="damcha_numpy.py", preexec_fn=limit),
+                   f"out of memory reading --data={big} (")
+    tiny = ["--n_layer=1", "--block_size=8", "--n_embd=8", "--n_head=2", "--gen_width=4", "--iters=1"]
+    result = cli("--batch_size=1000000000", *tiny, script="damcha_numpy.py", preexec_fn=limit)
+    one_line_error(result, "out of memory (")
+    assert "lower batch_size, block_size, n_embd or n_layer" in result.stderr

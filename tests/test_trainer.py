@@ -459,6 +459,48 @@ def test_sizes_that_cannot_fit_are_one_line(checkpointed, tmp_path, data_dir):
                             preexec_fn=limit_memory(3 * 10**9))
     one_line_error(result, 'out of memory (')
     assert 'lower batch_size (raise gradient_accumulation_steps)' in result.stderr
+def test_memory_too_short_to_import_torch_is_one_line(tmp_path):
+    """Under a memory limit (ulimit -v) too low to load torch, train_char.py and eval_char.py end in
+    one line that says so and names the limit, before any handler of theirs is in place."""
+    for script in ('train_char.py', 'eval_char.py'):
+        result = cli(f'--out_dir={tmp_path}', script=script, preexec_fn=limit_memory(400 * 2**20))
+        one_line_error(result, 'out of memory loading the libraries (')
+        assert 'the memory limit (ulimit -v) of 400 MiB: raise the limit' in result.stderr, script
+
+
+def test_a_dataset_too_big_for_memory_names_the_dataset_not_the_model(tmp_path):
+    """A text file whose preparation cannot fit under ulimit -v is one line naming the dataset and
+    the limit, not the model's settings (batch_size, n_layer ...), which had no part in it."""
+    big = tmp_path / 'big.txt'
+    with open(big, 'wb') as f:   # 400 MB of zero bytes, sparse: its token ids need 3.2 GB as int64
+        f.truncate(400 * 10**6)
+    result = cli(*TINY, f'--dataset={big}', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}',
+                 preexec_fn=limit_memory(3 * 10**9))
+    one_line_error(result, f'out of memory preparing or loading the dataset {big} (')
+    assert 'ulimit -v' in result.stderr and 'lower' not in result.stderr
+
+
+def test_compile_without_a_cpp_compiler_is_one_line(tmp_path):
+    """--compile=True on a CPU with no C++ compiler (none on the PATH, CXX unset), which Inductor
+    needs there, is one line saying so, before the run starts (eval_char.py checks alike)."""
+    bare = tmp_path / 'bin'   # a PATH with Python alone
+    bare.mkdir()
+    os.symlink(sys.executable, bare / 'python')
+    env = {k: v for k, v in ENV.items() if k not in ('CC', 'CXX')} | {'PATH': str(bare)}
+    message = '--compile=True needs a working C++ compiler (none found'
+    one_line_error(cli(*TINY, '--compile=True', f'--out_dir={tmp_path / "out"}', env=env), message)
+
+
+def test_a_config_file_that_is_no_file_is_named_for_what_it_is(tmp_path):
+    """A directory or a FIFO given as a config file is named as such (a FIFO is never opened, so
+    nothing waits on it), and -x, a single dash, as an option mistyped. Every script parses its
+    settings with configurator.py: the process is damcha_numpy.py's, the quickest to start."""
+    one_line_error(cli(str(tmp_path), script='damcha_numpy.py'), f'{tmp_path} is a directory, not a config file')
+    os.mkfifo(tmp_path / 'fifo')
+    assert 'fifo is a FIFO (named pipe), not a config file' in fails(str(tmp_path / 'fifo'))
+    assert '-x: no such option (options are written --key=value' in fails('-x')
+
+
 def test_sigterm_and_sighup_stop_a_run_as_ctrl_c_does(tmp_path, data_dir):
     """SIGTERM and SIGHUP print the line Ctrl-C prints (where the run stopped, where a resume
     starts), with status 128 + the signal's number."""
