@@ -343,7 +343,8 @@ def profile_step(step, top=8):
         synchronize()
     device, key = (DeviceType.CUDA, "self_device_time_total") if DEVICE == "cuda" else (DeviceType.CPU, "self_cpu_time_total")
     averages = prof.key_averages()
-    events = [e for e in averages if e.device_type == device and not e.is_user_annotation and getattr(e, key) > 0]
+    events = [e for e in averages
+              if e.device_type == device and not e.is_user_annotation and getattr(e, key) > 0]
     if not events:   # a profiler that recorded nothing must not read as a step that took no time
         raise RuntimeError("the profiler recorded no kernels")
     events.sort(key=lambda e: getattr(e, key), reverse=True)
@@ -562,16 +563,20 @@ def busy_row(row, variant, mode, peak_flops, busy_dir):
     profile, table = profile_step(step)
     tokens = B * variant["block_size"]
     flops = flops_per_token(model.config) * tokens / (ms / 1e3)
-    timing = dict(ms_per_step=round(ms, 2), device_ms=profile["total_ms"], busy=round(profile["total_ms"] / ms, 3),
-                  launches=profile["launches"], kernels=profile["kernels"], runtime_syncs=profile["runtime_syncs"],
-                  host_syncs=host_syncs(step), host_ms=round(host_ms(step), 2), tokens_per_s=round(tokens / ms * 1e3),
-                  mfu=None if peak_flops is None else round(flops / peak_flops, 3), compile_s=round(compile_s, 1))
+    timing = dict(ms_per_step=round(ms, 2), device_ms=profile["total_ms"],
+                  busy=round(profile["total_ms"] / ms, 3),
+                  **{k: profile[k] for k in ("launches", "kernels", "runtime_syncs")},
+                  host_syncs=host_syncs(step), host_ms=round(host_ms(step), 2),
+                  tokens_per_s=round(tokens / ms * 1e3),
+                  mfu=None if peak_flops is None else round(flops / peak_flops, 3),
+                  compile_s=round(compile_s, 1))
     if busy_dir:
         name = f"{row['shape']}-{row['name'].replace('/', '-')}-{mode}"
         with open(os.path.join(busy_dir, f"{name}.txt"), "w") as f:
             f.write(table)
         with open(os.path.join(busy_dir, "profile.jsonl"), "a") as f:
-            f.write(json.dumps(finite(dict(row, **timing, top=profile["top"], host_top=profile["host_top"]))) + "\n")
+            tops = {k: profile[k] for k in ("top", "host_top")}
+            f.write(json.dumps(finite(dict(row, **timing, **tops))) + "\n")
     return timing
 
 
@@ -585,7 +590,8 @@ def busy_targets(rows, shape, mode):
          all_busy_90=bool(by) and all(r["busy"] >= 0.9 for r in by.values()),
          kernel_vs_torch_ms=round(by["damcha/triton"]["ms_per_step"] / by["damcha/torch"]["ms_per_step"], 3)
          if both else None,
-         damcha_vs_mha_tokens=None if not damcha or "mha" not in by else round(max(damcha) / by["mha"]["tokens_per_s"], 3),
+         damcha_vs_mha_tokens=None if not damcha or "mha" not in by
+         else round(max(damcha) / by["mha"]["tokens_per_s"], 3),
          mha_mfu=by["mha"]["mfu"] if "mha" in by else None)
 
 
@@ -603,7 +609,8 @@ def busy_rows(shapes, modes, peak_flops, budget, busy_dir=""):
         for mode in modes:
             rows = []
             for name, variant in variants.items():
-                row = dict(kind="busy", shape=shape, name=name, mode=mode, B=B, params=count_params(variant), **variant)
+                row = dict(kind="busy", shape=shape, name=name, mode=mode, B=B,
+                           params=count_params(variant), **variant)
                 if budget.over():
                     emit(**row, skipped="time budget")
                     continue
@@ -661,8 +668,8 @@ def main(argv):
     shapes, modes = ([s for s in cfg[k].split(",") if s] for k in ("busy_shapes", "compile_modes"))
     unknown = [s for s in shapes if s not in BUSY_SHAPES] + [m for m in modes if m not in COMPILE_MODES]
     if unknown:
-        die(f"busy_shapes or compile_modes: {', '.join(unknown)} unknown (shapes: {', '.join(BUSY_SHAPES)}; "
-            f"modes: {', '.join(COMPILE_MODES)})")
+        die(f"busy_shapes or compile_modes: {', '.join(unknown)} unknown (shapes: "
+            f"{', '.join(BUSY_SHAPES)}; modes: {', '.join(COMPILE_MODES)})")
     if DEVICE == "cpu" and not smoke:
         die("no CUDA GPU: run with --smoke to check the script on the CPU")
     if DEVICE == "cpu":
@@ -716,7 +723,8 @@ def main(argv):
     ops = {"torch": torch_path, "torch_compiled": compile_on_device(torch_path, dynamic=False), "triton": damcha_attention}
     op_rows(ops, op_shape, dtypes, peak_bandwidth, Budget(cfg["budget_op"], deadline))
     model_rows(fields, B, peak_flops, Budget(cfg["budget_model"], deadline), cfg["gen_out"], cfg["profile"])
-    busy_rows(["smoke"] if smoke else shapes, modes, peak_flops, Budget(cfg["budget_busy"], deadline), cfg["busy_dir"])
+    busy_rows(["smoke"] if smoke else shapes, modes, peak_flops, Budget(cfg["budget_busy"], deadline),
+              cfg["busy_dir"])
     train_rows(train_configs, train_iters, smoke,
                Budget(3 * cfg["budget_train"] if smoke else cfg["budget_train"], deadline))     # the CPU is slower
     emit(kind="done", wall_s=round(time.time() - t0, 1))

@@ -92,7 +92,8 @@ def test_bench_triton_gpu_smoke(tmp_path):
     targets = next(row for row in rows if row["kind"] == "busy_targets")
     assert targets["paths"] == sorted(row["name"] for row in busy) and targets["min_busy"] > 0
     profiles = [json.loads(line) for line in (tmp_path / "profile.jsonl").read_text().splitlines()]
-    assert [p["name"] for p in profiles] == [row["name"] for row in busy] and all(p["top"] and p["host_top"] for p in profiles)
+    assert [p["name"] for p in profiles] == [row["name"] for row in busy]
+    assert all(p["top"] and p["host_top"] for p in profiles)
     assert len(list(tmp_path.glob("smoke-*-default.txt"))) == 3
     agreement = next(row for row in rows if row.get("name") == "grad_agreement")
     bar = GRAD_TOL if agreement["dtype"] == "float32" else 5e-2   # on a GPU both paths run in bf16

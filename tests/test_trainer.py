@@ -453,7 +453,8 @@ def test_batches_are_the_rows_their_generator_draws(tmp_path):
     rng.integers(0, 5, 1000, dtype=np.uint8).tofile(tmp_path / 'train.bin')
     mapped = np.memmap(tmp_path / 'train.bin', dtype=np.uint8, mode='r')
     corpora = [dataset.Corpus('mapped', '', dict(train=mapped), None),
-               dataset.Corpus('array', '', dict(train=rng.integers(0, 3, 700, dtype=np.uint8)), np.array([7, 5, 9]))]
+               dataset.Corpus('array', '', dict(train=rng.integers(0, 3, 700, dtype=np.uint8)),
+                              np.array([7, 5, 9]))]
     generator = torch.Generator().manual_seed(1)
     x, y = tc.get_batch(corpora, 'train', 300, 16, generator, 'cpu')
     drawn = torch.Generator().manual_seed(1)
@@ -492,7 +493,8 @@ def test_a_training_step_waits_for_no_device(tmp_path, data_dir, monkeypatch):
     CUDA (fused AdamW): the CPU's own reads its step count each step, on the host that runs it.
     (What a CPU cannot see: a .tolist() or .cpu() of a device tensor.)"""
     configure = damcha_torch.GPT.configure_optimizers
-    monkeypatch.setattr(damcha_torch.GPT, 'configure_optimizers', lambda self, *a: configure(self, *a[:-1], 'cuda'))
+    monkeypatch.setattr(damcha_torch.GPT, 'configure_optimizers',
+                        lambda self, *a: configure(self, *a[:-1], 'cuda'))
     counts = []
     for iters in (2, 6):
         with HostReads() as reads:
