@@ -61,6 +61,9 @@ DEFAULTS = dict(
     dtype='auto',                 # auto (CUDA: bfloat16 if supported, else float16; float32
                                   # elsewhere)
     compile=False,                # torch.compile: faster on a GPU, minutes of warm-up on a CPU
+    compile_mode='default',       # torch.compile's mode, with compile=True: default |
+                                  # reduce-overhead (CUDA graphs: the step's launches replayed as
+                                  # one) | max-autotune | max-autotune-no-cudagraphs
     # training
     batch_size=12,                # rows per micro-batch and process
     gradient_accumulation_steps=1,  # micro-batches per iteration over all processes together
@@ -98,7 +101,9 @@ MODEL_DEFAULTS = dict(
 MODEL_KEYS = [f.name for f in dataclasses.fields(GPTConfig)]
 DEFAULTS.update({k: MODEL_DEFAULTS.get(k, getattr(GPTConfig, k)) for k in MODEL_KEYS})
 CHOICES = dict(mode=('train', 'config'), init_from=('scratch', 'resume'),
-               dtype=('auto', 'float32', 'bfloat16', 'float16'))
+               dtype=('auto', 'float32', 'bfloat16', 'float16'),
+               compile_mode=('default', 'reduce-overhead', 'max-autotune',
+                             'max-autotune-no-cudagraphs'))
 POSITIVE = ('batch_size', 'gradient_accumulation_steps', 'eval_interval', 'eval_iters',
             'log_interval',
             'num_samples', 'temperature', 'learning_rate', 'block_size', 'max_iters')
@@ -142,6 +147,9 @@ def plan(cfg, given, attentions):
     if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:   # the decay would raise the rate
         die(f"min_lr={cfg['min_lr']} is above learning_rate={cfg['learning_rate']}: give a min_lr "
             "at most the peak")
+    if cfg['compile_mode'] != 'default' and 'compile_mode' in given and not cfg['compile']:
+        # it would be dropped in silence
+        die(f"compile_mode={cfg['compile_mode']} needs compile=True")
     return cfg, model_args, ckpt, snapshot_iterations(cfg, given, ckpt)
 
 
@@ -177,19 +185,20 @@ def show_config(cfg, given, attentions):
 
 def get_batch(corpora, split, n, block_size, generator, device):
     """n rows: inputs x and next-token targets y, (n, block_size) int64 on device. Each row's corpus
-    is drawn uniformly (mix: enwik8 or text8), then its start uniformly over that split."""
+    is drawn uniformly (mix: enwik8 or text8), then its start uniformly over that split. The rows
+    are gathered with one index per corpus, not row by row: Python work per row would keep the
+    device waiting at large batches."""
     which = torch.randint(len(corpora), (n,), generator=generator)
     room = torch.tensor([len(c.splits[split]) - block_size for c in corpora], dtype=torch.float64)
-    starts = (torch.rand(n, generator=generator, dtype=torch.float64) * room[which]).long()
-    rows = []
-    for c, s in zip(which.tolist(), starts.tolist()):
-        ids = corpora[c].splits[split][s:s + block_size + 1].astype(np.int64)
-        rows.append(torch.from_numpy(ids if corpora[c].lut is None else corpora[c].lut[ids]))
-    xy = torch.stack(rows)
-    if device.startswith('cuda'):
-        xy = xy.pin_memory().to(device, non_blocking=True)
-    else:
-        xy = xy.to(device)
+    starts = (torch.rand(n, generator=generator, dtype=torch.float64) * room[which]).numpy()
+    which, window = which.numpy(), np.arange(block_size + 1)
+    # pinned on CUDA, so that the copy to the device runs beside the host's work
+    xy = torch.empty((n, block_size + 1), dtype=torch.int64, pin_memory=device.startswith('cuda'))
+    for c, corpus in enumerate(corpora):
+        rows = which == c
+        ids = corpus.splits[split][starts[rows].astype(np.int64)[:, None] + window]
+        xy.numpy()[rows] = ids if corpus.lut is None else corpus.lut[ids]
+    xy = xy.to(device, non_blocking=device.startswith('cuda'))
     return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()   # contiguous: models may .view() them
 
 
@@ -221,8 +230,8 @@ def estimate_loss(model, corpora, cfg, device, ctx):
             for _ in range(cfg['eval_iters']):
                 X, Y = get_batch([c], split, rows, cfg['block_size'], generator, device)
                 for first in range(0, rows, B):
-                    with ctx:
-                        losses.append(model(X[first:first + B], Y[first:first + B])[1])
+                    with ctx:   # a copy: under CUDA graphs the next call overwrites the output
+                        losses.append(model(X[first:first + B], Y[first:first + B])[1].clone())
             losses = torch.stack(losses).tolist()   # one device sync per corpus, not one per batch
             per_corpus[c.name] = sum(losses) / len(losses)
         out[f'{split}_loss'] = sum(per_corpus.values()) / len(corpora)
@@ -311,7 +320,7 @@ def train(cfg, given, run, attentions):
     batches = torch.Generator().manual_seed(cfg['seed'])   # alike on every process
     if ckpt is not None:
         checkpoint.restore(ckpt, optimizer, scaler, batches, rank, device)
-    model = torch.compile(raw_model) if cfg['compile'] else raw_model
+    model = torch.compile(raw_model, mode=cfg['compile_mode']) if cfg['compile'] else raw_model
     if ddp:
         model = DDP(model, device_ids=[device] if device.startswith('cuda') else None)
     eval_model = model.module if ddp else model   # compiled, not DDP: only rank 0 evaluates

@@ -12,6 +12,7 @@ skipped (a row already started runs to its end), and no section starts a row pas
     python lab/bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --batch_size=32   # model rows alone
     python lab/bench_triton_gpu.py --budget_check=0 --budget_op=0 --budget_train=0 --budget_model=200 \
         --n_embd=512 --n_head=8 --block_size=512 --batch_size=32 --gen_out=folded   # the shipped GPU model
+    bash lab/gpu_busy.sh                        # the busy section alone, at both shapes (results/gpu/)
 
 Rows (kind=...), in order:
   setup   device, versions, peaks used for bandwidth and MFU.
@@ -43,6 +44,17 @@ Rows (kind=...), in order:
   profile after all the model rows, budget allowing (--profile=False: none): one step of each
           under torch.profiler, its total device time and the kernels that took most of it (CPU
           time on a CPU), to say where one path's step is slower than another's.
+  busy    (--budget_busy, 0 by default: none) train_char.py's own step, compiled: its get_batch on
+          random tokens, forward and backward in bf16 autocast, gradient clipping, its fused
+          AdamW, at each of --busy_shapes (shipped: B 32, T 512, D 512, H 8, the generator
+          folded; wide: B 8, T 1024, D 768, H 12, full; 12 layers) for MHA and both DAMCHA paths
+          in each of --compile_modes: ms per step (CUDA events, median), device_ms (the kernels'
+          time in one step under torch.profiler), busy (device_ms / ms per step), launches and
+          kernels per step, host_syncs (torch.cuda.set_sync_debug_mode's warnings in one step),
+          host_ms, tokens/s, MFU, compile_s; then per shape and mode (kind=busy_targets) the
+          issue's targets: every path busy >= 0.9, the kernel path's step <= the torch path's,
+          DAMCHA's faster path >= 0.85x MHA's tokens/s, MHA's MFU. --busy_dir: each row's profile
+          (top kernels, top host ops) as profile.jsonl and a text table per row.
   train   `python train_char.py <train_configs> --max_iters=30` on the bundled Shakespeare
           (compile on, bf16), with --kernel=triton, then on the torch path if the budget allows
           (a row needs TRAIN_ROW_S: with the default budgets only the first runs;
@@ -84,8 +96,20 @@ DEFAULTS = dict(
     train_iters=30,
     budget_check=80, budget_op=60, budget_model=100, budget_train=40,   # seconds per section
     budget_total=300,             # seconds for the whole check: no row starts later (one started runs to its end)
+    budget_busy=0,                # seconds for the busy section (0: none)
+    busy_shapes='shipped,wide',   # the busy section's shapes, of BUSY_SHAPES
+    compile_modes='default,reduce-overhead',   # torch.compile modes of the busy section
+    busy_dir='',                  # folder for the busy section's profiles ('': none written)
 )
+BUSY_SHAPES = {   # the busy section's: the shipped GPU model, and the model rows' default
+    "shipped": dict(batch_size=32, block_size=512, n_embd=512, n_head=8, n_layer=12, gen_out="folded"),
+    "wide": dict(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=12, gen_out="full"),
+    "smoke": dict(batch_size=2, block_size=16, n_embd=32, n_head=2, n_layer=1, gen_out="folded"),
+}
 TRAIN_ROW_S = 100                 # what a train row needs at least, with a margin over its times in results/gpu/
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# the host's calls that queue work on the device, as the profiler names them
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # dense, per device name
 
 
@@ -304,32 +328,49 @@ def op_rows(ops, shape, dtypes, peak_bandwidth, budget):
 
 
 def profile_step(step, top=8):
-    """One step under torch.profiler: total device ms (CPU ms on a CPU) and the `top` kernels by
-    their own time, as [name, ms, calls]. On a GPU only the kernels count: the profiler also files
-    each kernel's time under the op that launched it and under annotations such as the optimizer
-    step, which would count it twice."""
+    """One step under torch.profiler: total device ms (CPU ms on a CPU), the kernels run (calls),
+    the `top` kernels by their own time, as [name, ms, calls], and the host's side: the launches
+    (kernel and CUDA-graph launches, copies and fills), the runtime's synchronize calls (the
+    profile's own closing one left out) and the `top` host ops by their own CPU time. On a GPU
+    only the kernels count to the device time: the profiler also files each kernel's time under
+    the op that launched it and under annotations such as the optimizer step, which would count
+    it twice. Returns (summary, the profiler's table of kernels and host ops as text)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
+        synchronize()
     device, key = (DeviceType.CUDA, "self_device_time_total") if DEVICE == "cuda" else (DeviceType.CPU, "self_cpu_time_total")
-    events = [e for e in prof.key_averages()
+    averages = prof.key_averages()
+    events = [e for e in averages
               if e.device_type == device and not e.is_user_annotation and getattr(e, key) > 0]
     if not events:   # a profiler that recorded nothing must not read as a step that took no time
         raise RuntimeError("the profiler recorded no kernels")
     events.sort(key=lambda e: getattr(e, key), reverse=True)
-    return dict(total_ms=round(sum(getattr(e, key) for e in events) / 1e3, 3),
-                top=[[e.key[:80], round(getattr(e, key) / 1e3, 3), e.count] for e in events[:top]])
+    host = sorted((e for e in averages if e.device_type == DeviceType.CPU and not e.is_user_annotation),
+                  key=lambda e: e.self_cpu_time_total, reverse=True)
+    runtime = {e.key: e.count for e in host}
+    summary = dict(
+        total_ms=round(sum(getattr(e, key) for e in events) / 1e3, 3), kernels=sum(e.count for e in events),
+        top=[[e.key[:80], round(getattr(e, key) / 1e3, 3), e.count] for e in events[:top]],
+        launches=sum(n for name, n in runtime.items() if name.startswith(LAUNCHES)),
+        runtime_syncs=sum(n for name, n in runtime.items() if "Synchronize" in name) - (DEVICE == "cuda"),
+        host_top=[[e.key[:80], round(e.self_cpu_time_total / 1e3, 3), e.count] for e in host[:top]])
+    sort_by = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    table = (averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=80) + "\n"
+             + averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=80))
+    return summary, table
 
 
-def compile_on_device(fn, **kwargs):
-    """torch.compile with Inductor on a GPU. On a CPU (--smoke) with backend="aot_eager": the same
-    graph capture and autograd trace, without Inductor's C++ code generation, which would be most
-    of the smoke run's time and is no part of the GPU path."""
-    return torch.compile(fn, backend="inductor" if DEVICE == "cuda" else "aot_eager", **kwargs)
+def compile_on_device(fn, mode="default", **kwargs):
+    """torch.compile with Inductor, in `mode`, on a GPU. On a CPU (--smoke) with
+    backend="aot_eager", which has no modes: the same graph capture and autograd trace, without
+    Inductor's C++ code generation, which would be most of the smoke run's time and is no part
+    of the GPU path."""
+    if DEVICE == "cuda":
+        return torch.compile(fn, backend="inductor", mode=mode, **kwargs)
+    return torch.compile(fn, backend="aot_eager", **kwargs)
 
 
 def autocast():
@@ -453,11 +494,134 @@ def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
             emit(**row, skipped="time budget")
             continue
         try:
-            emit(**row, **profile_step(step))
+            emit(**row, **profile_step(step)[0])
         except Exception as e:      # the profiler has not yet run on a GPU here: a failure is reported, not fatal
             emit(**row, error=failure(e))
 
 
+
+
+def train_step(variant, B, mode):
+    """train_char.py's training step for GPT(variant), compiled in torch.compile's `mode`: rows
+    from its get_batch (one corpus of random tokens), the forward and backward under bf16
+    autocast, the loss kept on the device for the log line, gradient clipping at 1.0 and the
+    model's own AdamW (fused on CUDA); the loss scaler, disabled in bf16, does nothing."""
+    import numpy as np
+    import train_char
+    from data.dataset import Corpus
+    torch.manual_seed(0)
+    raw = GPT(GPTConfig(**variant)).to(DEVICE)
+    model = compile_on_device(raw, mode=mode)
+    optimizer = raw.configure_optimizers(0.1, 1e-4, (0.9, 0.99), DEVICE)
+    tokens = np.random.default_rng(0).integers(0, variant["vocab_size"], 2**20, dtype=np.uint8)
+    corpora, batches = [Corpus("random", "", dict(train=tokens), None)], torch.Generator().manual_seed(0)
+
+    def step():
+        X, Y = train_char.get_batch(corpora, "train", B, variant["block_size"], batches, DEVICE)
+        with autocast():
+            _, loss = model(X, Y)
+        kept = torch.zeros((), device=DEVICE)
+        kept += loss.detach()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return kept
+    return raw, step
+
+
+def host_syncs(step):
+    """The step's waits for the device that torch can see (.item(), copies to the host, ...): the
+    warnings of torch.cuda.set_sync_debug_mode over one step (None on a CPU)."""
+    if DEVICE != "cuda":
+        return None
+    import warnings
+    synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def busy_row(row, variant, mode, peak_flops, busy_dir):
+    """One compiled train_step: its timing, the profile of one step and its waits for the device.
+    The first three steps compile it and, in reduce-overhead, record its CUDA graphs."""
+    B = row["B"]
+    torch._dynamo.reset()   # each row compiles afresh: the rows' models count to one recompile limit
+    start = time.time()
+    model, step = train_step(variant, B, mode)
+    for _ in range(3):
+        step()
+    synchronize()
+    compile_s = time.time() - start
+    ms = time_ms(step, rep=500)
+    profile, table = profile_step(step)
+    tokens = B * variant["block_size"]
+    flops = flops_per_token(model.config) * tokens / (ms / 1e3)
+    timing = dict(ms_per_step=round(ms, 2), device_ms=profile["total_ms"],
+                  busy=round(profile["total_ms"] / ms, 3),
+                  **{k: profile[k] for k in ("launches", "kernels", "runtime_syncs")},
+                  host_syncs=host_syncs(step), host_ms=round(host_ms(step), 2),
+                  tokens_per_s=round(tokens / ms * 1e3),
+                  mfu=None if peak_flops is None else round(flops / peak_flops, 3),
+                  compile_s=round(compile_s, 1))
+    if busy_dir:
+        name = f"{row['shape']}-{row['name'].replace('/', '-')}-{mode}"
+        with open(os.path.join(busy_dir, f"{name}.txt"), "w") as f:
+            f.write(table)
+        with open(os.path.join(busy_dir, "profile.jsonl"), "a") as f:
+            tops = {k: profile[k] for k in ("top", "host_top")}
+            f.write(json.dumps(finite(dict(row, **timing, **tops))) + "\n")
+    return timing
+
+
+def busy_targets(rows, shape, mode):
+    """The issue's targets at one shape and compile mode, from its busy rows (those that ran)."""
+    by = {r["name"]: r for r in rows if "ms_per_step" in r}
+    damcha = [by[n]["tokens_per_s"] for n in ("damcha/torch", "damcha/triton") if n in by]
+    both = "damcha/torch" in by and "damcha/triton" in by
+    emit(kind="busy_targets", shape=shape, mode=mode, paths=sorted(by),
+         min_busy=min((r["busy"] for r in by.values()), default=None),
+         all_busy_90=bool(by) and all(r["busy"] >= 0.9 for r in by.values()),
+         kernel_vs_torch_ms=round(by["damcha/triton"]["ms_per_step"] / by["damcha/torch"]["ms_per_step"], 3)
+         if both else None,
+         damcha_vs_mha_tokens=None if not damcha or "mha" not in by
+         else round(max(damcha) / by["mha"]["tokens_per_s"], 3),
+         mha_mfu=by["mha"]["mfu"] if "mha" in by else None)
+
+
+def busy_rows(shapes, modes, peak_flops, budget, busy_dir=""):
+    """The busy section: each shape, each compile mode, MHA and both DAMCHA paths; a row that
+    raises is an error row, and the rest run."""
+    if busy_dir:
+        os.makedirs(busy_dir, exist_ok=True)
+    for shape in shapes:
+        fields = dict(BUSY_SHAPES[shape], vocab_size=65)
+        B, gen_out = fields.pop("batch_size"), fields.pop("gen_out")
+        mha, damcha = model_variants(fields, gen_out)
+        variants = {"mha": mha, "damcha/torch": dict(damcha, kernel="torch"),
+                    "damcha/triton": dict(damcha, kernel="triton")}
+        for mode in modes:
+            rows = []
+            for name, variant in variants.items():
+                row = dict(kind="busy", shape=shape, name=name, mode=mode, B=B,
+                           params=count_params(variant), **variant)
+                if budget.over():
+                    emit(**row, skipped="time budget")
+                    continue
+                try:
+                    rows.append(dict(row, **busy_row(row, variant, mode, peak_flops, busy_dir)))
+                    emit(**rows[-1])
+                except Exception as e:
+                    emit(**row, error=failure(e))
+                if DEVICE == "cuda":
+                    torch.cuda.empty_cache()
+            busy_targets(rows, shape, mode)
 
 
 def train_argv(config_files, iters, smoke, kernel, out_dir):
@@ -501,6 +665,11 @@ def main(argv):
                        positive=("n_layer", "n_head", "n_embd", "block_size", "batch_size", "train_iters",
                                  "budget_total"), doc=__doc__)
     smoke = cfg["smoke"]
+    shapes, modes = ([s for s in cfg[k].split(",") if s] for k in ("busy_shapes", "compile_modes"))
+    unknown = [s for s in shapes if s not in BUSY_SHAPES] + [m for m in modes if m not in COMPILE_MODES]
+    if unknown:
+        die(f"busy_shapes or compile_modes: {', '.join(unknown)} unknown (shapes: "
+            f"{', '.join(BUSY_SHAPES)}; modes: {', '.join(COMPILE_MODES)})")
     if DEVICE == "cpu" and not smoke:
         die("no CUDA GPU: run with --smoke to check the script on the CPU")
     if DEVICE == "cpu":
@@ -554,6 +723,8 @@ def main(argv):
     ops = {"torch": torch_path, "torch_compiled": compile_on_device(torch_path, dynamic=False), "triton": damcha_attention}
     op_rows(ops, op_shape, dtypes, peak_bandwidth, Budget(cfg["budget_op"], deadline))
     model_rows(fields, B, peak_flops, Budget(cfg["budget_model"], deadline), cfg["gen_out"], cfg["profile"])
+    busy_rows(["smoke"] if smoke else shapes, modes, peak_flops, Budget(cfg["budget_busy"], deadline),
+              cfg["busy_dir"])
     train_rows(train_configs, train_iters, smoke,
                Budget(3 * cfg["budget_train"] if smoke else cfg["budget_train"], deadline))     # the CPU is slower
     emit(kind="done", wall_s=round(time.time() - t0, 1))

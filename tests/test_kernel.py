@@ -277,6 +277,47 @@ def test_torch_compile_traces_through_the_op():
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
+def test_gpt_with_the_kernel_compiles_as_one_graph_forward_and_backward():
+    """GPT(kernel="triton") compiles with no graph break (fullgraph=True raises at one), and
+    AOTAutograd traces its backward ahead as one graph that holds each layer's
+    op backward and the dm = x^T dq its autograd formula forms in torch, as an m-sized product: so
+    Inductor compiles that product with the step's backward rather than leaving it to run
+    eagerly. The compiled step's loss and gradients are eager's."""
+    import torch._dynamo
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    torch._dynamo.reset()
+    config = GPTConfig(kernel="triton", vocab_size=11, block_size=20, n_layer=1, n_head=2, n_embd=16, gen_width=8)
+    torch.manual_seed(0)
+    model = GPT(config).to(DEVICE)
+    idx = torch.randint(11, (2, 20), device=DEVICE)
+    graphs = {}
+
+    def keep(name):
+        def compiler(graph_module, example_inputs):
+            graphs[name] = [(str(n.target), tuple(n.meta["val"].shape)) for n in graph_module.graph.nodes
+                            if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)]
+            graphs[name] += [(str(n.target), None) for n in graph_module.graph.nodes
+                             if n.op == "call_function" and "damcha" in str(n.target)]
+            return make_boxed_func(graph_module.forward)
+        return compiler
+    compiled = torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=keep("forward"),
+                                                                          bw_compiler=keep("backward")))
+    _, loss = compiled(idx, idx)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    _, want = model(idx, idx)
+    want.backward()
+    assert torch.allclose(loss, want, rtol=1e-6) and all(
+        rel_err(grads[n], p.grad) < 1e-5 for n, p in model.named_parameters())
+    targets = {phase: [target for target, _ in nodes] for phase, nodes in graphs.items()}
+    assert targets["forward"].count("damcha.attention.default") == config.n_layer
+    assert targets["backward"].count("damcha.attention_backward.default") == config.n_layer
+    m_shape = (2, 20, config.n_head, 8, 8)
+    assert sum(node == ("aten.mul.Tensor", m_shape) for node in graphs["backward"]) >= config.n_layer
+
+
 def test_autotuning_keeps_one_choice_per_kind_of_metric():
     """Triton keeps an autotuned config per key (and per dtype of the tensors): a kernel that takes
     both per-token and static metrics must have PER_TOKEN in its key, or a static launch reuses

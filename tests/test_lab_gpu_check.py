@@ -51,19 +51,21 @@ def test_the_large_offsets_row_fails_on_a_wrong_dx(capsys):
 
 
 @pytest.mark.slow
-def test_bench_triton_gpu_smoke():
-    """python bench_triton_gpu.py --smoke --profile=True: every section runs and prints JSON rows;
-    its checks pass, each timed model row is profiled once all are timed (no profiler attached
-    while a row is timed), and its train_char.py run with --kernel=triton exits 0. It runs as a
+def test_bench_triton_gpu_smoke(tmp_path):
+    """python bench_triton_gpu.py --smoke --profile=True with the busy section: every section runs
+    and prints JSON rows; its checks pass, each timed model row is profiled once all are timed (no
+    profiler attached while a row is timed), train_char.py's compiled step runs for each path
+    with its profile written, and its train_char.py run with --kernel=triton exits 0. It runs as a
     user runs it, without TRITON_INTERPRET: the script chooses the interpreter itself on a CPU."""
     root = os.path.dirname(damcha_triton.__file__)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "lab/bench_triton_gpu.py", "--smoke", "--profile=True"], capture_output=True,
+    done = subprocess.run([sys.executable, "lab/bench_triton_gpu.py", "--smoke", "--profile=True", "--budget_busy=100",
+                           "--compile_modes=default", f"--busy_dir={tmp_path}"], capture_output=True,
                           text=True, cwd=root, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     kinds = [row["kind"] for row in rows]
-    assert kinds[0] == "setup" and kinds[-1] == "done" and {"check", "op", "model", "train"} <= set(kinds)
+    assert kinds[0] == "setup" and kinds[-1] == "done" and {"check", "op", "model", "busy", "train"} <= set(kinds)
     assert not [row for row in rows if "error" in row]
     assert all(row["ok"] for row in rows if row["kind"] == "check")
     assert [row["offsets_past_2_31"] for row in rows if "offsets_past_2_31" in row] == [False]   # the GPU's check, small
@@ -84,16 +86,28 @@ def test_bench_triton_gpu_smoke():
     position = {id(row): i for i, row in enumerate(rows)}
     assert max(position[id(row)] for row in rows if row["kind"] == "model") < min(position[id(row)] for row in profiled)
     assert all(row["total_ms"] >= row["top"][0][1] > 0 for row in profiled)
+    busy = [row for row in rows if row["kind"] == "busy"]
+    assert [row["name"] for row in busy] == ["mha", "damcha/torch", "damcha/triton"]
+    assert all(row["ms_per_step"] > 0 and row["device_ms"] > 0 and row["kernels"] > 0 for row in busy)
+    targets = next(row for row in rows if row["kind"] == "busy_targets")
+    assert targets["paths"] == sorted(row["name"] for row in busy) and targets["min_busy"] > 0
+    profiles = [json.loads(line) for line in (tmp_path / "profile.jsonl").read_text().splitlines()]
+    assert [p["name"] for p in profiles] == [row["name"] for row in busy]
+    assert all(p["top"] and p["host_top"] for p in profiles)
+    assert len(list(tmp_path.glob("smoke-*-default.txt"))) == 3
     agreement = next(row for row in rows if row.get("name") == "grad_agreement")
     bar = GRAD_TOL if agreement["dtype"] == "float32" else 5e-2   # on a GPU both paths run in bf16
     assert agreement["max_rel_err"] < bar and position[id(agreement)] < position[id(timed[0])]
 
 
 def test_bench_refuses_a_bad_train_config_before_any_section(capsys):
-    """The train rows come last: a config file they would fail on is refused before the GPU time."""
+    """The train rows come last: a config file they would fail on is refused before the GPU time;
+    so is a busy shape or compile mode the busy section does not know."""
     from lab import bench_triton_gpu
     with pytest.raises(SystemExit, match="train rows' command would fail: missing.py: no such config file"):
         bench_triton_gpu.main(["--smoke", "--train_configs=missing.py"])
+    with pytest.raises(SystemExit, match="busy_shapes or compile_modes: huge, fast unknown"):
+        bench_triton_gpu.main(["--smoke", "--busy_shapes=shipped,huge", "--compile_modes=fast"])
     assert capsys.readouterr().out == ""   # no row printed
 
 
@@ -176,6 +190,23 @@ def test_bench_rows_compute_what_they_name(monkeypatch, capsys):
     monkeypatch.setattr(bench, "time_ms", lambda fn, rep=60: 1.0)
     bench.matmul_row(1, 4, 8, peak_flops=1e6)
     assert json.loads(capsys.readouterr().out)["mfu"] == 2 * 4 * 8 * 32 / 1e-3 / 1e6
+
+
+def test_busy_targets_are_the_issues_targets(capsys):
+    """The busy section's targets from its rows: every path busy >= 0.9, the kernel path's step
+    over the torch path's, DAMCHA's faster path's tokens/s over MHA's, MHA's MFU."""
+    from lab import bench_triton_gpu as bench
+    rows = [dict(name="mha", ms_per_step=10.0, busy=0.95, tokens_per_s=1000, mfu=0.3),
+            dict(name="damcha/torch", ms_per_step=12.0, busy=0.97, tokens_per_s=800, mfu=0.2),
+            dict(name="damcha/triton", ms_per_step=11.0, busy=0.85, tokens_per_s=900, mfu=0.2),
+            dict(name="damcha/triton", error="RuntimeError")]
+    bench.busy_targets(rows, "shipped", "default")
+    row = json.loads(capsys.readouterr().out)
+    assert (row["min_busy"], row["all_busy_90"], row["kernel_vs_torch_ms"], row["damcha_vs_mha_tokens"],
+            row["mha_mfu"]) == (0.85, False, round(11 / 12, 3), 0.9, 0.3)
+    bench.busy_targets(rows[:2], "shipped", "default")   # the kernel path failed: no ratio to it
+    row = json.loads(capsys.readouterr().out)
+    assert row["all_busy_90"] and row["kernel_vs_torch_ms"] is None and row["damcha_vs_mha_tokens"] == 0.8
 
 
 def test_bench_checks_fail_on_one_wrong_gradient_and_keep_their_budget(capsys):

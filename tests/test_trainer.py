@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import damcha_torch
 import data.prepare as prep
@@ -441,6 +442,78 @@ def test_rows_cover_every_window_and_an_empty_prompt_is_a_newline():
     assert set(x[:, 0].tolist()) == {0, 1} and (y == x + 1).all()
     assert dataset.encode('', [10, 32, 97], 8) == [0]          # a newline where there is one,
     assert dataset.encode('', [32, 97], 8) == [0]              # else a space (text8)
+
+
+def test_batches_are_the_rows_their_generator_draws(tmp_path):
+    """get_batch gathers its rows all at once; they are those of its definition, drawn from the
+    same generator: per row a corpus uniformly, then a start uniformly over that split's windows,
+    the corpus's ids through its lut. Memory-mapped and in-memory splits alike, and the generator
+    is left where the definition leaves it (a resume draws on from there)."""
+    rng = np.random.default_rng(3)
+    rng.integers(0, 5, 1000, dtype=np.uint8).tofile(tmp_path / 'train.bin')
+    mapped = np.memmap(tmp_path / 'train.bin', dtype=np.uint8, mode='r')
+    corpora = [dataset.Corpus('mapped', '', dict(train=mapped), None),
+               dataset.Corpus('array', '', dict(train=rng.integers(0, 3, 700, dtype=np.uint8)),
+                              np.array([7, 5, 9]))]
+    generator = torch.Generator().manual_seed(1)
+    x, y = tc.get_batch(corpora, 'train', 300, 16, generator, 'cpu')
+    drawn = torch.Generator().manual_seed(1)
+    which = torch.randint(2, (300,), generator=drawn).tolist()
+    uniform = torch.rand(300, generator=drawn, dtype=torch.float64).tolist()
+    assert set(which) == {0, 1} and torch.equal(generator.get_state(), drawn.get_state())
+    for row, (c, u) in enumerate(zip(which, uniform)):
+        split, lut = corpora[c].splits['train'], corpora[c].lut
+        start = int(u * (len(split) - 16))
+        ids = split[start:start + 17].astype(np.int64)
+        ids = ids if lut is None else lut[ids]
+        assert x[row].tolist() == ids[:-1].tolist() and y[row].tolist() == ids[1:].tolist(), row
+    assert x.is_contiguous() and y.is_contiguous() and x.dtype == y.dtype == torch.int64
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that bring a tensor's value to the host as a Python number (.item(), float(),
+    bool(), an `if` on a tensor): on a GPU each waits for the device to finish its queue."""
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+             torch.ops.aten.equal.default, torch.ops.aten.nonzero.default}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_waits_for_no_device(tmp_path, data_dir, monkeypatch):
+    """A training step reads no tensor's value back to the host, so a GPU never idles waiting for
+    it: a run of 6 iterations does as many such reads as a run of 2, whose evaluations, log lines
+    and checkpoint (at the start and the end) are the same. The batch, the loss kept for the log,
+    the clipping and the optimizer's step all stay on the device. The optimizer is built as on
+    CUDA (fused AdamW): the CPU's own reads its step count each step, on the host that runs it.
+    (What a CPU cannot see: a .tolist() or .cpu() of a device tensor.)"""
+    configure = damcha_torch.GPT.configure_optimizers
+    monkeypatch.setattr(damcha_torch.GPT, 'configure_optimizers',
+                        lambda self, *a: configure(self, *a[:-1], 'cuda'))
+    counts = []
+    for iters in (2, 6):
+        with HostReads() as reads:
+            run(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / str(iters)}', f'--max_iters={iters}',
+                f'--eval_interval={iters}', '--log_interval=100')
+        counts.append(reads.count)
+    assert counts[0] == counts[1] > 0, counts   # > 0: the evaluations' checks are seen
+
+
+def test_compile_mode_reaches_torch_compile_and_needs_compile(tmp_path, data_dir, monkeypatch):
+    """--compile_mode is torch.compile's mode (reduce-overhead: CUDA graphs); without
+    --compile=True it would do nothing, so it is refused rather than dropped."""
+    modes = []
+    monkeypatch.setattr(torch, 'compile', lambda model, mode=None: modes.append(mode) or model)
+    run(*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "run"}', '--max_iters=2', '--compile=True',
+        '--compile_mode=reduce-overhead')
+    assert modes == ['reduce-overhead']
+    assert 'compile_mode=max-autotune needs compile=True' in fails(*TINY, '--compile_mode=max-autotune')
+    assert "compile_mode must be one of default, reduce-overhead," in fails('--compile_mode=fast')
 
 
 def test_sizes_that_cannot_fit_are_one_line(checkpointed, tmp_path, data_dir):
