@@ -20,6 +20,11 @@ stride tokens (0: block_size, non-overlapping), and each scores only the targets
 so with a stride below block_size every target past the first window sees at least
 block_size - stride + 1 tokens of context.
 """
+import shell
+
+if __name__ == '__main__':   # first: Ctrl-C while torch is imported below ends in one line
+    shell.quit_on_signals()
+
 import dataclasses
 import inspect
 import json
@@ -38,7 +43,7 @@ from configurator import check_run_settings, configure
 from damcha_torch import GPT, GPTConfig
 from data import dataset
 from run_folder import read_jsonl
-from shell import die, one_line_errors
+from shell import die, one_line_errors, signals_as_ctrl_c
 
 DEFAULTS = dict(
     mode='eval',                  # eval | sample | plot
@@ -205,7 +210,7 @@ def plot(cfg, given, attentions):
 def main(argv, attentions=None):
     """attentions: {attn name: the class of h.{l}.attn} beyond the book's damcha and mha, which GPT
     takes as its `attention` (the lab's, lab/eval.py)."""
-    with one_line_errors('batch_size (eval) or block_size'):
+    with one_line_errors('batch_size (eval) or block_size'), signals_as_ctrl_c():
         cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__,
                                described_in=(__file__, inspect.getfile(GPTConfig)))
         check_run_settings(cfg, RANGES)

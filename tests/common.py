@@ -67,11 +67,12 @@ def cli(*args, script='train_char.py', timeout=120):
                           env=ENV, text=not any(isinstance(a, bytes) for a in args))
 
 
-def start(*args):
-    """train_char.py in the background; its stdout (log lines) to read, stderr to a file."""
-    err = open(os.devnull, 'w')
-    return subprocess.Popen([sys.executable, 'train_char.py', *args], cwd=ROOT, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=err)
+def start(*args, script='train_char.py', stderr=os.devnull):
+    """A script (train_char.py) in the background, as from a terminal that Ctrl-C can reach
+    (sigint_default); its stdout (log lines) to read, stderr to a file (by default discarded)."""
+    with open(stderr, 'w') as err:
+        return subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=ENV, text=True,
+                                stdout=subprocess.PIPE, stderr=err, preexec_fn=sigint_default)
 
 
 def wait_for(proc, prefix):
