@@ -78,9 +78,12 @@ class RunFolder:
 
     def resume_command(self):
         """The command to copy that continues the run in this folder: the script and its
-        arguments as given, with --init_from=resume and this out_dir (as the run filled it in)."""
+        arguments as given, with --init_from=resume and this out_dir (as the run filled it in);
+        under torchrun, on as many processes a node."""
+        launcher = (['torchrun', f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"]
+                    if 'LOCAL_WORLD_SIZE' in os.environ else ['python'])
         kept = [a for a in self.argv if not a.startswith(('--init_from=', '--out_dir='))]
-        return shlex.join(['python', sys.argv[0], *kept, '--init_from=resume',
+        return shlex.join([*launcher, sys.argv[0], *kept, '--init_from=resume',
                            f'--out_dir={self.dir}'])
 
     def hold_for_resume(self):

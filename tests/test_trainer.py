@@ -33,7 +33,8 @@ import eval_char as ec
 import train_char as tc
 from data import dataset
 from run_folder import read_jsonl
-from shell import DIVERGED
+import shell
+from shell import DIVERGED, note_signals, raise_noted, signals_as_ctrl_c
 from common import (ENV, ROOT, TINY, cli, digest, fails, limit_memory, one_line_error, run, run_eval,
                     stopped_during_start_up, wait_for)
 
@@ -507,6 +508,29 @@ def test_input_that_is_not_what_it_claims_is_named_in_one_line(tmp_path, data_di
     assert 'is a FIFO (named pipe), not a regular file' in fails(*TINY, f'--dataset={tmp_path / "fifo"}', never)
     assert 'is a directory, not a regular file' in fails(*TINY, f'--dataset={tmp_path}', never)
     assert not os.path.exists(tmp_path / 'never')
+def test_a_signal_in_the_loop_waits_for_a_step_boundary_and_ctrl_c_again_stops_at_once(monkeypatch):
+    """In the training loop (shell.note_signals) a signal is noted for the next step boundary;
+    another signal, or Ctrl-C again sooner than AGAIN_S, is ignored; Ctrl-C again AGAIN_S or more
+    later stops at once, and so does a signal noted when the loop ends (raise_noted); once
+    stopping, the process is deaf to further signals until the handlers before are back."""
+    before = signal.getsignal(signal.SIGINT)
+    with signals_as_ctrl_c():
+        noted = note_signals()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            os.kill(os.getpid(), sig)
+        assert noted == [signal.SIGTERM]
+        monkeypatch.setattr(shell, 'AGAIN_S', 0.0)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) == before
+    with signals_as_ctrl_c(), pytest.raises(shell.Interrupted) as e:
+        noted = note_signals()
+        os.kill(os.getpid(), signal.SIGHUP)
+        raise_noted(noted)
+    assert e.value.args == (signal.SIGHUP,)
+
+
 def test_ctrl_c_at_any_moment_of_start_up_is_one_line(tmp_path, data_dir):
     """Ctrl-C while torch is imported (at once, 0.3 s and 1 s after the script's first line), twice
     10 ms apart, and twice while a config file runs: each time one line, status 130, never a
