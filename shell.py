@@ -77,7 +77,7 @@ def raise_as_ctrl_c(signum, frame=None):
     raise KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
 
 
-def handle(handler):
+def install(handler):
     """handler for every stopping signal but those ignored (nohup); returns the handlers before."""
     old = {s: signal.getsignal(s) for s in STOPS}
     for s, before in old.items():
@@ -91,7 +91,7 @@ def signals_as_ctrl_c():
     """Ctrl-C, SIGTERM (kill) and SIGHUP (a closed terminal) stop the block alike, saying where;
     a second signal while stopping is ignored. Leaving, the handlers before are back, but for a
     script's quit_at_once: what follows main is the script's exit, which no signal cuts short."""
-    old = handle(raise_as_ctrl_c)
+    old = install(raise_as_ctrl_c)
     try:
         yield
     finally:
@@ -101,7 +101,7 @@ def signals_as_ctrl_c():
 
 
 def note_signals():
-    """Inside signals_as_ctrl_c, a training loop's steps: from now on a signal is noted in the list
+    """For a training loop, inside signals_as_ctrl_c: from now on a signal is noted in the list
     returned (the first one's number), not raised, and the loop stops at a boundary of its choosing.
     Ctrl-C again, AGAIN_S or more after the first, stops at once (a boundary that does not come);
     any other signal meanwhile is ignored. raise_noted ends it."""
@@ -113,14 +113,14 @@ def note_signals():
             since.append(time.monotonic())
         elif signum == signal.SIGINT and time.monotonic() - since[0] >= AGAIN_S:
             raise_as_ctrl_c(signum)
-    handle(note)
+    install(note)
     return noted
 
 
 def raise_noted(noted):
     """The loop is over: signals raise again (signals_as_ctrl_c), and one noted meanwhile stops the
     script now."""
-    handle(raise_as_ctrl_c)
+    install(raise_as_ctrl_c)
     if noted:
         raise_as_ctrl_c(noted[0])
 

@@ -14,7 +14,8 @@ Settings: the defaults below, then config files and --key=value flags in order; 
 its checkpoint's, but those given. data/prepare.py prepares a dataset on first use, into
 data/<name>/. A run writes out_dir/ckpt.pt, log.jsonl (each evaluation) and train_log.jsonl (each
 iteration) through run_folder.RunFolder, which keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP
-stops a run, saying where a resume starts. eval_char.py evaluates, samples from and plots the runs.
+stops a run between two steps with a checkpoint there, printing the command that resumes it.
+eval_char.py evaluates, samples from and plots the runs.
 
 The reading path, the files that hold the model and its training, is what this file imports: the
 README lists it.
@@ -84,7 +85,8 @@ DEFAULTS = dict(
     eval_iters=10,                # batches (of an iteration's rows) per split for each loss
                                   # estimate
     log_interval=10,              # iterations between printed training losses
-    always_save_checkpoint=True,  # False: save only when the val loss improves
+    always_save_checkpoint=True,  # False: save only when the val loss improves (a stop: only
+                                  # before the first save)
     snapshot_iters='',            # e.g. 0,1000,5000: also keep the weights at these iterations,
                                   # as float16, in out_dir/snapshot-<iter>.pt (a notebook reads
                                   # them)
@@ -324,7 +326,7 @@ def train(cfg, given, run, attentions):
     tokens = ckpt['tokens'] if ckpt else 0
     saved = dict(model_args=model_args, vocab=vocab)   # checkpoints and snapshots record them too
 
-    def save_checkpoint(rng, elapsed):
+    def checkpoint_now(rng, elapsed):
         """The checkpoint of iteration iter_num, before its step (a resume takes that step first),
         periodic or a stop's. Its numbers are finite: until a save sets the best val loss, the
         largest float stands for none."""
@@ -386,7 +388,7 @@ def train(cfg, given, run, attentions):
                     if iter_num > start and (losses['val_loss'] < best_val_loss
                                              or cfg['always_save_checkpoint']):
                         best_val_loss = min(best_val_loss, losses['val_loss'])
-                        save_checkpoint(rng, elapsed)
+                        checkpoint_now(rng, elapsed)
                 t_log = t_eval = time.time()
                 eval_iter = iter_num
             if master and iter_num in snapshots:
@@ -395,7 +397,7 @@ def train(cfg, given, run, attentions):
                 rng = rng_states(ddp)
                 if master and run.saved_iter != iter_num and (
                         run.saved_iter is None or cfg['always_save_checkpoint']):
-                    save_checkpoint(rng, round(time.time() - t_run, 3))
+                    checkpoint_now(rng, round(time.time() - t_run, 3))
                 if ddp:   # no process ends (torchrun would then end rank 0) before rank 0 saved
                     dist.barrier()
                 raise_as_ctrl_c(noted[0] if noted else signal.SIGTERM)   # else: another's signal
