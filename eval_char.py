@@ -20,6 +20,11 @@ stride tokens (0: block_size, non-overlapping), and each scores only the targets
 so with a stride below block_size every target past the first window sees at least
 block_size - stride + 1 tokens of context.
 """
+import shell   # first: its excepthook makes memory too short to import torch one line
+
+if __name__ == '__main__':   # and Ctrl-C while torch is imported below ends in one line too
+    shell.quit_on_signals()
+
 import dataclasses
 import inspect
 import json
@@ -27,8 +32,7 @@ import math
 import os
 import sys
 
-# first: its excepthook makes memory too short to import torch one line, not a traceback
-from shell import die, memory_for, one_line_errors
+from shell import die, memory_for, one_line_errors, signals_as_ctrl_c
 
 import numpy as np
 import torch
@@ -210,7 +214,7 @@ def plot(cfg, given, attentions):
 def main(argv, attentions=None):
     """attentions: {attn name: the class of h.{l}.attn} beyond the book's damcha and mha, which GPT
     takes as its `attention` (the lab's, lab/eval.py)."""
-    with one_line_errors('batch_size (eval) or block_size'):
+    with one_line_errors('batch_size (eval) or block_size'), signals_as_ctrl_c():
         cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__,
                                described_in=(__file__, inspect.getfile(GPTConfig)))
         check_run_settings(cfg, RANGES)

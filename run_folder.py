@@ -8,9 +8,10 @@ run_folder.py: a training run's folder, and everything a run does to it (RunFold
     out_dir/train.lock       flock'ed for the run's lifetime; names the run that holds it
 
 Every file is written whole or not at all (atomic_write): a kill or a full disk never costs the last
-good checkpoint. A new run refuses a folder holding a checkpoint or logs; a resume cuts the logs
-back to its checkpoint; a stopped run says where a resume would start. docs/reliability.md lists
-each promise and the test that holds it.
+good checkpoint. A new run refuses a folder holding a checkpoint, logs or snapshots, printing the
+command that resumes it; a resume cuts the logs back to its checkpoint; a stopped run says where a
+resume starts, with that command. docs/reliability.md lists each promise and the test that holds
+it.
 
 No file is written through a symbolic link (open_own): a link where one belongs is refused, and
 left as it is.
@@ -35,6 +36,7 @@ from shell import DIVERGED, die, exit_status, why
 # atomic_write's partial files, <file>.damcha-partial-<pid>-<random>.tmp (older versions: without
 # -<random>): the only files the project removes, and only a dead process's
 PARTIAL = r'.+\.damcha-partial-(\d+)(?:-[0-9a-f]{8})?\.tmp'
+SNAPSHOT = r'snapshot-\d+\.pt'
 # what a run writes in its out_dir under these names: a link there is refused before the run starts
 OWN_FILES = ('ckpt.pt', 'log.jsonl', 'train_log.jsonl')
 
@@ -46,26 +48,52 @@ class Diverged(Exception):
 class RunFolder:
     """out_dir as one training run uses it; only the master process (rank 0) writes to it. The
     lock is this object's, held from lock() until the process ends, unlock() or the end of a
-    with-block."""
+    with-block. argv: the script's arguments, from which the command that resumes is built."""
 
-    def __init__(self, out_dir):
+    def __init__(self, out_dir, argv=()):
         self.dir = out_dir
+        self.argv = list(argv)
         self.ckpt_path = os.path.join(out_dir, 'ckpt.pt')
         self.saved_iter = None   # the iteration of the ckpt.pt on disk, None while there is none
         self.lock_file = None
 
     def refuse_fresh_start(self):
-        """A new run never overwrites a checkpoint, nor the logs of a run whose checkpoint is
-        gone."""
+        """A new run never replaces a checkpoint (it prints the command that continues it), nor
+        the logs or snapshots of a run whose checkpoint is gone; nor does it delete anything: where
+        to start afresh is the user's choice. A ckpt.pt that no resume could read is named as what
+        it is."""
+        empty = os.path.isfile(self.ckpt_path) and not os.path.getsize(self.ckpt_path)
+        if os.path.isdir(self.ckpt_path) or empty:
+            die(f"{self.ckpt_path} is {'an empty file' if empty else 'a directory'}, not a "
+                f"checkpoint, and a new run would replace it; {self.afresh()}")
         if os.path.exists(self.ckpt_path):
-            die(f"{self.ckpt_path} exists: continue it with --init_from=resume, "
-                "or choose another --out_dir")
+            die(f"{self.ckpt_path} exists: continue it with --init_from=resume: "
+                f"{self.resume_command()}; or, {self.afresh()}")
         logs = [n for n in ('log.jsonl', 'train_log.jsonl') if os.path.isfile(self.path(n))
                 and os.path.getsize(self.path(n))]
-        if logs:   # a resume is impossible, and a new run would replace them
-            die(f"{self.dir} holds {' and '.join(logs)} of an earlier run but no ckpt.pt"
+        snapshots = sorted((n for n in os.listdir(self.dir) if re.fullmatch(SNAPSHOT, n)),
+                           key=lambda n: (len(n), n)) if os.path.isdir(self.dir) else []
+        found = logs + snapshots
+        if found:   # a resume is impossible, and a new run would replace them
+            shown = found if len(found) <= 4 else found[:3] + [f'{len(found) - 3} more']
+            die(f"{self.dir} holds {', '.join(shown[:-1])}{' and ' * (len(shown) > 1)}{shown[-1]} "
+                f"of an earlier run but no ckpt.pt"
                 f"{' (a link to a missing file)' * os.path.islink(self.ckpt_path)}: it cannot be "
-                "resumed; move the logs away, or choose another --out_dir")
+                f"resumed; {self.afresh()}")
+
+    def afresh(self):
+        """Where a new run can start instead, this folder kept as it is."""
+        return f"to start afresh, choose another --out_dir, or move {self.dir} aside first"
+
+    def resume_command(self):
+        """The command to copy that continues the run in this folder: the script and its
+        arguments as given, with --init_from=resume and this out_dir (as the run filled it in);
+        under torchrun, on as many processes a node."""
+        launcher = (['torchrun', f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"]
+                    if 'LOCAL_WORLD_SIZE' in os.environ else ['python'])
+        kept = [a for a in self.argv if not a.startswith(('--init_from=', '--out_dir='))]
+        return shlex.join([*launcher, sys.argv[0], *kept, '--init_from=resume',
+                           f'--out_dir={self.dir}'])
 
     def hold_for_resume(self):
         """A resume takes the folder before it reads the checkpoint, so that the checkpoint cannot
@@ -170,16 +198,19 @@ class RunFolder:
             die(f"could not save {path}: {why(e)}; the partial file was removed; "
                 f"{self.last_good()}")
 
-    def stopped(self, e, iter_num):
+    def stopped(self, e, iter_num, best_only=False):
         """(exit status, one line) of a run that Ctrl-C, SIGTERM or SIGHUP (exit_status) or a
-        non-finite loss (Diverged, DIVERGED) stopped at iter_num: where, and what is on disk."""
+        non-finite loss (Diverged, DIVERGED) stopped at iter_num: where, what is on disk, and the
+        command that resumes. best_only: ckpt.pt holds the best weights, not the latest
+        (always_save_checkpoint=False)."""
         if isinstance(e, KeyboardInterrupt):
+            best = (' (the best so far: always_save_checkpoint=False)'
+                    if best_only and self.saved_iter != iter_num else '')
             return exit_status(e), f"interrupted at iter {iter_num}: " + (
-                f"a resume (--init_from=resume) starts from {self.dir}/ckpt.pt at iter "
-                f"{self.saved_iter}"
+                f"a resume starts from {self.ckpt_path} at iter {self.saved_iter}{best}: "
+                f"{self.resume_command()}"
                 if self.saved_iter is not None else
-                f"no checkpoint was written yet: to start again, move the logs out of "
-                f"{self.dir}, or choose another --out_dir")
+                f"no checkpoint was written yet; {self.afresh()}")
         what, value, it = e.args
         return DIVERGED, (f"error: the {what} loss became {value} at iter {it}; "
                           f"stopped without saving: {self.last_good()}; try a lower learning_rate")

@@ -1,12 +1,14 @@
 """
 shell.py: how every script meets the shell. Bad input ends a script with one line on stderr (die),
-never a traceback; SIGTERM and SIGHUP stop it as Ctrl-C does; a closed pipe (`... | head`) is not
+never a traceback; SIGTERM and SIGHUP stop it as Ctrl-C does, at any moment of its start-up too,
+and a second signal never cuts the first one's clean-up short; a closed pipe (`... | head`) is not
 an error; an output encoding that lacks a character prints '?'; each way of ending has the exit
-status a shell expects (exit_status, DIVERGED). A script wraps its main in one_line_errors and
-signals_as_ctrl_c, and calls die. Memory that runs out is one line naming what needed it: the
-settings of the model (one_line_errors), the data being prepared (memory_for), or, before any
-handler, the libraries being loaded under a memory limit (last_resort, the excepthook that importing
-this module sets: a script imports it before torch). Torch-free, so that it can be imported first.
+status a shell expects (exit_status, DIVERGED). A script imports this module and calls
+quit_on_signals before its heavy imports, wraps its main in one_line_errors and signals_as_ctrl_c,
+and calls die. Memory that runs out is one line naming what needed it: the settings of the model
+(one_line_errors), the data being prepared (memory_for), or, before any handler, the libraries being
+loaded under a memory limit (last_resort, the excepthook that importing this module sets). Nothing
+here imports torch: it is in place before torch is.
 """
 import errno
 import io
@@ -15,11 +17,17 @@ import resource
 import signal
 import stat
 import sys
+import time
 from contextlib import contextmanager
 from traceback import walk_tb
 
 # train_char.py's exit status when a non-finite loss stopped the run (lab/reproduce.py reads it)
 DIVERGED = 3
+# what stops a script: Ctrl-C, kill (SIGTERM), a closed terminal (SIGHUP)
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# seconds after which a second Ctrl-C is a new request to stop at once: a sooner one is the same key
+# pressed twice, or torchrun passing the first on to its processes
+AGAIN_S = 1.0
 
 
 def die(message):
@@ -46,20 +54,81 @@ class Interrupted(KeyboardInterrupt):
     """SIGTERM or SIGHUP (args: its number), raised where Ctrl-C would be, to stop a run alike."""
 
 
+def quit_at_once(signum, frame):
+    """A script's start-up, before main's own handling: nothing is written yet, so a signal ends it
+    here, with one line and the shell's status, never the traceback of an import it cut short."""
+    os.write(2, b'interrupted\n')
+    os._exit(128 + signum)
+
+
+def quit_on_signals():
+    """A script's first call, before it imports torch (seconds): a signal meanwhile quits at once.
+    A signal the script was started ignoring (nohup, a background job) stays ignored."""
+    for s in STOPS:
+        if signal.getsignal(s) != signal.SIG_IGN:
+            signal.signal(s, quit_at_once)
+
+
+def ignore_signals():
+    """Further signals are ignored: the stop under way, its clean-up and its last line, or the
+    script's exit, are not cut short."""
+    for s in STOPS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def raise_as_ctrl_c(signum, frame=None):
+    """Stop where the script is, as Ctrl-C does (KeyboardInterrupt; Interrupted for SIGTERM and
+    SIGHUP), deaf to any further signal."""
+    ignore_signals()
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
+
+
+def install(handler):
+    """handler for every stopping signal but those ignored (nohup); returns the handlers before."""
+    old = {s: signal.getsignal(s) for s in STOPS}
+    for s, before in old.items():
+        if before != signal.SIG_IGN:
+            signal.signal(s, handler)
+    return old
+
+
 @contextmanager
 def signals_as_ctrl_c():
-    """SIGTERM (kill) and SIGHUP (a closed terminal) stop the block as Ctrl-C does, saying where; a
-    second signal while stopping is ignored."""
-    def stop(signum, frame):
-        for s in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_IGN)
-        raise Interrupted(signum)
-    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    """Ctrl-C, SIGTERM (kill) and SIGHUP (a closed terminal) stop the block alike, saying where;
+    a second signal while stopping is ignored. Leaving, the handlers before are back, but for a
+    script's quit_at_once: what follows main is the script's exit, which no signal cuts short."""
+    old = install(raise_as_ctrl_c)
     try:
         yield
     finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+        for s, before in old.items():
+            if before is not None:   # None: a handler not set from Python, which cannot be restored
+                signal.signal(s, signal.SIG_IGN if before is quit_at_once else before)
+
+
+def note_signals():
+    """For a training loop, inside signals_as_ctrl_c: from now on a signal is noted in the list
+    returned (the first one's number), not raised, and the loop stops at a boundary of its choosing.
+    Ctrl-C again, AGAIN_S or more after the first, stops at once (a boundary that does not come);
+    any other signal meanwhile is ignored. raise_noted ends it."""
+    noted, since = [], []
+
+    def note(signum, frame):
+        if not noted:
+            noted.append(signum)
+            since.append(time.monotonic())
+        elif signum == signal.SIGINT and time.monotonic() - since[0] >= AGAIN_S:
+            raise_as_ctrl_c(signum)
+    install(note)
+    return noted
+
+
+def raise_noted(noted):
+    """The loop is over: signals raise again (signals_as_ctrl_c), and one noted meanwhile stops the
+    script now."""
+    install(raise_as_ctrl_c)
+    if noted:
+        raise_as_ctrl_c(noted[0])
 
 
 def exit_status(e):

@@ -14,22 +14,29 @@ Settings: the defaults below, then config files and --key=value flags in order; 
 its checkpoint's, but those given. data/prepare.py prepares a dataset on first use, into
 data/<name>/. A run writes out_dir/ckpt.pt, log.jsonl (each evaluation) and train_log.jsonl (each
 iteration) through run_folder.RunFolder, which keeps that folder safe. Ctrl-C, SIGTERM or SIGHUP
-stops a run, saying where a resume starts. eval_char.py evaluates, samples from and plots the runs.
+stops a run between two steps with a checkpoint there, printing the command that resumes it.
+eval_char.py evaluates, samples from and plots the runs.
 
 The reading path, the files that hold the model and its training, is what this file imports: the
 README lists it.
 """
+import shell   # first: its excepthook makes memory too short to import torch one line
+
+if __name__ == '__main__':   # and Ctrl-C while torch is imported below ends in one line too
+    shell.quit_on_signals()
+
 import dataclasses
 import inspect
 import json
 import math
 import os
+import signal
 import sys
 import textwrap
 import time
 
-# first: its excepthook makes memory too short to import torch one line, not a traceback
-from shell import die, memory_for, one_line_errors, signals_as_ctrl_c
+from shell import (die, memory_for, note_signals, one_line_errors, raise_as_ctrl_c, raise_noted,
+                   signals_as_ctrl_c)
 
 import numpy as np
 import torch
@@ -82,7 +89,8 @@ DEFAULTS = dict(
     eval_iters=10,                # batches (of an iteration's rows) per split for each loss
                                   # estimate
     log_interval=10,              # iterations between printed training losses
-    always_save_checkpoint=True,  # False: save only when the val loss improves
+    always_save_checkpoint=True,  # False: save only when the val loss improves (a stop: only
+                                  # before the first save)
     snapshot_iters='',            # e.g. 0,1000,5000: also keep the weights at these iterations,
                                   # as float16, in out_dir/snapshot-<iter>.pt (a notebook reads
                                   # them)
@@ -331,6 +339,17 @@ def train(cfg, given, run, attentions):
     best_val_loss = ckpt['best_val_loss'] if ckpt else math.inf
     tokens = ckpt['tokens'] if ckpt else 0
     saved = dict(model_args=model_args, vocab=vocab)   # checkpoints and snapshots record them too
+
+    def checkpoint_now(rng, elapsed):
+        """The checkpoint of iteration iter_num, before its step (a resume takes that step first),
+        periodic or a stop's. Its numbers are finite: until a save sets the best val loss, the
+        largest float stands for none."""
+        run.save_checkpoint(dict(
+            model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
+            scaler=scaler.state_dict(), config=cfg, **saved, iter_num=iter_num,
+            best_val_loss=min(best_val_loss, sys.float_info.max), tokens=tokens,
+            elapsed=elapsed, rng=dict(batches=batches.get_state(), torch=rng)))
+    noted = note_signals()   # from here a signal stops the run between two steps (stopping)
     if master:
         run.start_logs(start, resumed=ckpt is not None)
         print(f"{sum(t.numel() for t in raw_model.parameters()):,} parameters; {tokens_per_iter:,} "
@@ -350,8 +369,10 @@ def train(cfg, given, run, attentions):
                          cfg['min_lr']) if cfg['decay_lr'] else cfg['learning_rate'])
             last = iter_num >= cfg['max_iters']
             evaluating = iter_num % cfg['eval_interval'] == 0 or last
-            if pending and (iter_num % cfg['log_interval'] == 0 or evaluating):
-                losses = synced_losses(pending, ddp, world)   # Diverged on a non-finite one
+            stopping = bool(noted) and not ddp   # under torchrun all decide together, when synced
+            if pending and (iter_num % cfg['log_interval'] == 0 or evaluating or stopping):
+                # Diverged on a non-finite loss, before any stop
+                losses, stopping = synced_losses(pending, ddp, world, bool(noted))
                 dt = (time.time() - t_log) / len(pending)
                 if master:
                     run.log('train_log.jsonl', [dict(iter=it, loss=loss, lr=step_lr)
@@ -381,15 +402,19 @@ def train(cfg, given, run, attentions):
                     if iter_num > start and (losses['val_loss'] < best_val_loss
                                              or cfg['always_save_checkpoint']):
                         best_val_loss = min(best_val_loss, losses['val_loss'])
-                        run.save_checkpoint(dict(
-                            model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
-                            scaler=scaler.state_dict(), config=cfg, **saved, iter_num=iter_num,
-                            best_val_loss=best_val_loss, tokens=tokens, elapsed=elapsed,
-                            rng=dict(batches=batches.get_state(), torch=rng)))
+                        checkpoint_now(rng, elapsed)
                 t_log = t_eval = time.time()
                 eval_iter = iter_num
             if master and iter_num in snapshots:
                 run.save_snapshot(raw_model, saved, iter_num)
+            if stopping:   # a signal: a checkpoint of this iteration, unless it replaced the best
+                rng = rng_states(ddp)
+                if master and run.saved_iter != iter_num and (
+                        run.saved_iter is None or cfg['always_save_checkpoint']):
+                    checkpoint_now(rng, round(time.time() - t_run, 3))
+                if ddp:   # no process ends (torchrun would then end rank 0) before rank 0 saved
+                    dist.barrier()
+                raise_as_ctrl_c(noted[0] if noted else signal.SIGTERM)   # else: another's signal
             if last:
                 break
 
@@ -421,12 +446,13 @@ def train(cfg, given, run, attentions):
             bar.update()
     except (KeyboardInterrupt, Diverged) as e:
         bar.close()   # first, so that the line is not drawn over
-        status, message = run.stopped(e, iter_num)
+        status, message = run.stopped(e, iter_num, not cfg['always_save_checkpoint'])
         if master:
             print(message, file=sys.stderr)
         raise SystemExit(status)
     finally:
         bar.close()
+    raise_noted(noted)
     if master:
         print(f"done: iter {iter_num}, {time.time() - t_run:.0f} s of training; best val loss "
               f"{best_val_loss:.4f} ({best_val_loss / LN2:.4f} bpc)")
@@ -438,18 +464,23 @@ def train(cfg, given, run, attentions):
         dist.destroy_process_group()
 
 
-def synced_losses(pending, ddp, world):
-    """The pending steps' losses as floats, averaged over the processes: one device sync and
-    all-reduce. Every process checks them, so that all stop on a non-finite one."""
+def synced_losses(pending, ddp, world, stop):
+    """The pending steps' losses as floats, averaged over the processes, and whether a process was
+    asked to stop (stop: this one was): one device sync and all-reduce. Every process checks them,
+    so that all stop on a non-finite one, and all at the same step on a signal."""
     losses = torch.stack([loss for _, _, loss in pending])
     if ddp:
+        losses = torch.cat([losses, losses.new_tensor([float(stop)])])
         dist.all_reduce(losses)
         losses /= world
-    losses = losses.tolist()
+        *losses, stop = losses.tolist()
+        stop = stop > 0
+    else:
+        losses = losses.tolist()
     for (it, _, _), loss in zip(pending, losses):
         if not math.isfinite(loss):
             raise Diverged('training', loss, it)
-    return losses
+    return losses, stop
 
 
 def stop_if_diverged(losses, it, ddp, device):
@@ -495,7 +526,8 @@ def main(argv, attentions=None):
         if cfg['mode'] == 'config':
             show_config(cfg, given, attentions or {})
             return
-        with RunFolder(cfg['out_dir']) as run:   # its lock is let go when the run ends, in any way
+        # its lock is let go when the run ends, in any way; argv: the command that resumes it
+        with RunFolder(cfg['out_dir'], argv) as run:
             train(cfg, given, run, attentions or {})
 
 

@@ -68,6 +68,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -87,7 +88,7 @@ from lab.counts import count_params, equal_params_width
 from notebooks.course import t_quantile
 from data.dataset import load_dataset
 from device import pick_device
-from run_folder import RunFolder, atomic_write, open_lock, read_jsonl, to_json, write_text
+from run_folder import SNAPSHOT, RunFolder, atomic_write, open_lock, read_jsonl, to_json, write_text
 from shell import DIVERGED, Interrupted, die, exit_status, signals_as_ctrl_c
 
 TRAIN_CHAR = os.path.join(ROOT, 'lab', 'train.py')   # train_char.py with the lab's attentions registered
@@ -369,11 +370,13 @@ def train_and_evaluate(run, out_dir, files, settings, max_iters, opts, results, 
         die(f"{out_dir}/ckpt.pt is at iter {trained}, past the max_iters={max_iters} asked now; "
             "give its settings, or another --out_root")
     logs = [os.path.join(out_dir, n) for n in ('log.jsonl', 'train_log.jsonl')]
+    if os.path.isdir(out_dir):   # a run killed before its first checkpoint may have saved snapshots too
+        logs += [os.path.join(out_dir, n) for n in os.listdir(out_dir) if re.fullmatch(SNAPSHOT, n)]
     if trained is None and any(os.path.exists(p) for p in logs):   # train_char.py keeps them from a new run
         with RunFolder(out_dir) as folder:
             folder.lock()   # refused in one line while another process trains this run
-            print(f"note: {run} was stopped before its first checkpoint; its logs in {out_dir} are removed "
-                  "and it starts again", flush=True)
+            print(f"note: {run} was stopped before its first checkpoint; its logs and snapshots in {out_dir} "
+                  "are removed and it starts again", flush=True)
             for path in filter(os.path.exists, logs):
                 os.remove(path)
     if trained == max_iters:

@@ -13,6 +13,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repos
 if ROOT not in sys.path:   # run as a file (python lab/train.py): the book's modules are in the root
     sys.path.insert(0, ROOT)
 
+import shell
+
+if __name__ == '__main__':   # first: Ctrl-C while torch is imported below ends in one line
+    shell.quit_on_signals()
+
 import train_char
 from lab.variants import ATTENTIONS
 

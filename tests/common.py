@@ -11,6 +11,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 import types
 import zipfile
 
@@ -70,11 +71,12 @@ def cli(*args, script='train_char.py', timeout=120, env=ENV, preexec_fn=None):
                           env=env, preexec_fn=preexec_fn, text=not any(isinstance(a, bytes) for a in args))
 
 
-def start(*args):
-    """train_char.py in the background; its stdout (log lines) to read, stderr to a file."""
-    err = open(os.devnull, 'w')
-    return subprocess.Popen([sys.executable, 'train_char.py', *args], cwd=ROOT, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=err)
+def start(*args, script='train_char.py', stderr=os.devnull):
+    """A script (train_char.py) in the background, as from a terminal that Ctrl-C can reach
+    (sigint_default); its stdout (log lines) to read, stderr to a file (by default discarded)."""
+    with open(stderr, 'w') as err:
+        return subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=ENV, text=True,
+                                stdout=subprocess.PIPE, stderr=err, preexec_fn=sigint_default)
 
 
 def wait_for(proc, prefix):
@@ -82,6 +84,37 @@ def wait_for(proc, prefix):
         if line.startswith(prefix):
             return line
     raise AssertionError(f"the run ended before printing {prefix!r}: exit status {proc.wait()}")
+
+
+def handles_sigterm(pid):
+    """Whether process pid has a handler of its own for SIGTERM (Linux: /proc/<pid>/status), which
+    Python has not by itself: a script's first line (shell.quit_on_signals) has run."""
+    with open(f'/proc/{pid}/status') as f:
+        caught = next(line for line in f if line.startswith('SigCgt:')).split()[1]
+    return bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def stopped_during_start_up(tmp_path, script, *args, delay=0.0, twice=False, ready=None):
+    """Ctrl-C sent to `script args` delay seconds after its first line set its handlers (or once
+    the file `ready` exists), and again 10 ms later if twice: it ends with status 130 and one
+    line, 'interrupted', never a traceback. Before that first line is the interpreter's own
+    start-up, which no script can change."""
+    if not os.path.exists('/proc/self/status'):
+        pytest.skip('needs /proc/<pid>/status to see when the handlers are in place')
+    err = tmp_path / 'stderr'
+    proc = start(*args, script=script, stderr=err)
+    while not (ready.exists() if ready else handles_sigterm(proc.pid)):
+        assert proc.poll() is None, err.read_text()[-2000:]
+        time.sleep(0.001)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    if twice:
+        time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+    status, text = proc.wait(timeout=120), err.read_text()
+    proc.stdout.close()
+    assert status == 130 and 'Traceback' not in text and text.count('interrupted') == 1, (status, text[-2000:])
+    assert text.strip().splitlines()[-1].startswith('interrupted'), text[-2000:]
 
 
 def one_line_error(result, words):

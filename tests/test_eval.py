@@ -23,7 +23,7 @@ import eval_char as ec
 import train_char as tc
 from run_folder import read_jsonl
 from common import (ENV, ROOT, TINY, cli, digest, fails, fails_eval, limit_memory, one_line_error,
-                    run, run_eval)
+                    run, run_eval, stopped_during_start_up)
 
 
 def test_eval_help_prints_its_docstring_and_every_default(capsys):
@@ -39,6 +39,13 @@ def test_eval_help_prints_its_docstring_and_every_default(capsys):
         assert [line.split()[0] for line in lines] == [f'{k}={v!r}' for k, v in ec.DEFAULTS.items()]
         for line, (k, v) in zip(lines, ec.DEFAULTS.items()):   # each with a description
             assert line.startswith(f'  {k}={v!r}  ') and len(line.removeprefix(f'  {k}={v!r}').split()) >= 2, line
+
+
+def test_ctrl_c_during_start_up_is_one_line(trained, tmp_path):
+    """Ctrl-C while eval_char.py imports torch, once at its first line and twice 10 ms apart half a
+    second later: one line, status 130, never a traceback."""
+    for delay, twice in ((0, False), (0.5, True)):
+        stopped_during_start_up(tmp_path, 'eval_char.py', f'--out_dir={trained}', delay=delay, twice=twice)
 
 
 def test_eval_scores_every_token_once(trained, tmp_path, monkeypatch, capsys):

@@ -708,9 +708,9 @@ def test_a_diverged_study_run_is_recorded_in_json_without_infinity(tmp_path, mon
 def test_sigterm_to_reproduce_stops_its_training_run_and_the_same_command_resumes(tmp_path, monkeypatch, capsys):
     """kill -TERM on lab/reproduce.py alone: it passes the signal on to its train_char.py run, which
     stops as on Ctrl-C (saying where), and ends with status 143, leaving no run behind that holds
-    the out_dir. Stopped before the run's first checkpoint, its logs hold nothing to resume: the
-    same command drops them, with a note, and trains the run again to the end (here in this
-    process, its runs too: lab_runs_in_process)."""
+    the out_dir. Stopped before the run's first periodic checkpoint, the run saved one where it
+    stopped: the same command resumes it there and trains to the end (here in this process, its
+    runs too: lab_runs_in_process)."""
     # 2,000 iterations: an idle machine runs 100 of this model in 0.2 s, before the signal lands
     args = ['lab/reproduce.py', '--seeds=1', '--variants=mha', '--max_iters=2000', '--eval_interval=2000',
             '--log_interval=5', '--n_layer=1', '--n_embd=32', '--n_head=2', '--block_size=16', '--batch_size=4',
@@ -727,8 +727,10 @@ def test_sigterm_to_reproduce_stops_its_training_run_and_the_same_command_resume
     out = tmp_path / 'out' / 'mha-seed1'
     with RunFolder(str(out)) as folder:
         folder.lock()   # no training run is left holding it
+    saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
+    assert 5 <= saved < 2000, saved
     lab_runs_in_process(monkeypatch)
     capsys.readouterr()
     reproduce.main(args[1:])
-    assert 'note: mha-seed1 was stopped before its first checkpoint' in capsys.readouterr().out
+    assert f'resuming from {out}/ckpt.pt at iter {saved}' in capsys.readouterr().out
     assert [e['iter'] for e in read_jsonl(out / 'train_log.jsonl')] == list(range(2000))

@@ -16,11 +16,13 @@ import os
 import pathlib
 import re
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -58,43 +60,118 @@ def test_only_the_projects_own_temporary_files_are_removed_from_an_out_dir(check
     tc.main([f'--out_dir={out}', '--init_from=resume', '--max_iters=9'])
     assert all((out / name).read_text() == 'mine' for name in users)
     assert not (out / f'ckpt.pt.damcha-partial-{NO_PID}.tmp').exists()
-def test_a_new_run_never_replaces_the_logs_of_another(checkpointed, tmp_path, data_dir, monkeypatch, capsys):
-    """An out_dir that holds logs but no checkpoint (moved away, or a link to a missing file) is
-    refused by a new run, saying what is there and what to do; the logs stay as they were. Empty
-    logs hold no history and are taken. A run stopped before its first checkpoint says so."""
+
+
+def test_a_new_run_never_replaces_the_logs_of_another(checkpointed, tmp_path, data_dir):
+    """An out_dir that holds logs or snapshots but no checkpoint (moved away, or a link to a
+    missing file) is refused by a new run, saying what is there and where to start afresh instead,
+    never to delete anything; the files stay as they were. Empty logs hold no history and are
+    taken."""
     out = copy_of(checkpointed, tmp_path)
     os.remove(out / 'ckpt.pt')
     before = {n: (out / n).read_bytes() for n in ('log.jsonl', 'train_log.jsonl')}
     last = fails(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}')
-    assert (f'{out} holds log.jsonl and train_log.jsonl of an earlier run but no ckpt.pt: '
-            'it cannot be resumed; move the logs away, or choose another --out_dir') in last, last
+    assert last.endswith(f'{out} holds log.jsonl and train_log.jsonl of an earlier run but no ckpt.pt: it cannot be '
+                         f'resumed; to start afresh, choose another --out_dir, or move {out} aside first'), last
     (out / 'ckpt.pt').symlink_to(tmp_path / 'gone.pt')
     assert 'no ckpt.pt (a link to a missing file)' in fails(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}')
-    assert {n: (out / n).read_bytes() for n in before} == before and 'error: ' in last
+    assert {n: (out / n).read_bytes() for n in before} == before and 'delete' not in last
+    snapshots = tmp_path / 'snapshots'   # another run's weights alone
+    snapshots.mkdir()
+    for it in (20, 100, 5, 0, 1000):
+        (snapshots / f'snapshot-{it}.pt').write_bytes(b'weights')
+    assert (f'{snapshots} holds snapshot-0.pt, snapshot-5.pt, snapshot-20.pt and 2 more of an earlier run but no '
+            'ckpt.pt: it cannot be resumed') in fails(*TINY, f'--data_dir={data_dir}', f'--out_dir={snapshots}')
+    for it in (0, 5, 100, 1000):
+        os.remove(snapshots / f'snapshot-{it}.pt')
+    assert f'{snapshots} holds snapshot-20.pt of an earlier run' in fails(*TINY, f'--out_dir={snapshots}')
+    assert (snapshots / 'snapshot-20.pt').read_bytes() == b'weights'
     empty = tmp_path / 'empty'
     empty.mkdir()
     (empty / 'log.jsonl').write_text('')
     (empty / 'train_log.jsonl').write_text('')
     tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={empty}', '--max_iters=2'])
 
-    # a real SIGTERM, sent to this process at its 10th training iteration (test_sigterm_and_sighup_stop_a_run_as_ctrl_c_does
-    # sends it to a train_char.py process), before the run's first checkpoint
-    get_lr, steps = tc.get_lr, []
 
-    def lr_then_sigterm(*args):   # called once an iteration, before its step
-        steps.append(args[0])
-        if len(steps) == 10:
-            os.kill(os.getpid(), signal.SIGTERM)
+def test_a_fresh_start_over_a_checkpoint_prints_the_command_that_resumes_it(checkpointed, tmp_path, data_dir):
+    """Refused over a checkpoint, a new run prints the command to copy that continues it (the
+    arguments given, with --init_from=resume and the out_dir), which resumes; a ckpt.pt that is a
+    directory or an empty file is named as such, with no advice to resume what cannot be."""
+    out = copy_of(checkpointed, tmp_path)
+    last = fails(*TINY, f'--data_dir={data_dir}', '--init_from=scratch', f'--out_dir={out}', '--max_iters=9')
+    assert last.startswith(f'error: {out}/ckpt.pt exists: continue it with --init_from=resume: python '), last
+    assert last.endswith(f'; or, to start afresh, choose another --out_dir, or move {out} aside first'), last
+    command = shlex.split(last.split(': ', 3)[3].split('; or, ')[0])
+    assert command[2:] == [*TINY, f'--data_dir={data_dir}', '--max_iters=9', '--init_from=resume',
+                           f'--out_dir={out}'], last   # in this process, the script is pytest's
+    tc.main(command[2:])
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 9
+    for kind, make in (('a directory', os.mkdir), ('an empty file', lambda p: open(p, 'w').close())):
+        odd = tmp_path / kind.split()[-1]
+        odd.mkdir()
+        make(odd / 'ckpt.pt')
+        last = fails(*TINY, f'--out_dir={odd}')
+        assert last.endswith(f'{odd}/ckpt.pt is {kind}, not a checkpoint, and a new run would replace it; to start '
+                             f'afresh, choose another --out_dir, or move {odd} aside first'), last
+        assert 'resume' not in last
+
+
+def signal_at(monkeypatch, signals):
+    """signals: {iteration: signal}, each sent to this process at the start of that iteration, as
+    a real signal lands (get_lr is called once an iteration, before its step), and once only."""
+    get_lr = tc.get_lr
+
+    def lr_then_signal(*args):
+        if args[0] in signals:
+            os.kill(os.getpid(), signals.pop(args[0]))
         return get_lr(*args)
-    monkeypatch.setattr(tc, 'get_lr', lr_then_sigterm)
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "early"}', '--eval_interval=1000',
-                 '--max_iters=100000'])
-    stderr = capsys.readouterr().err
-    assert e.value.code == 128 + signal.SIGTERM and 'Traceback' not in stderr, stderr[-2000:]
-    assert stderr.strip().splitlines()[-1].endswith(f'no checkpoint was written yet: to start again, move the logs '
-                                                    f'out of {tmp_path / "early"}, or choose another --out_dir')
+    monkeypatch.setattr(tc, 'get_lr', lr_then_signal)
+
+
+def same_history(out, whole):
+    """The run in out ended with the history of the run in whole: train_log.jsonl line for line,
+    log.jsonl but for its timings, and bit-identical final weights."""
+    assert read_jsonl(out / 'train_log.jsonl') == read_jsonl(whole / 'train_log.jsonl')
+    untimed = [[{k: v for k, v in e.items() if k not in ('time', 'tokens_per_sec')} for e in read_jsonl(d / 'log.jsonl')]
+               for d in (out, whole)]
+    assert untimed[0] == untimed[1]
+    ckpts = [torch.load(d / 'ckpt.pt', weights_only=True) for d in (out, whole)]
+    assert ckpts[0]['iter_num'] == ckpts[1]['iter_num']
+    assert ckpts[0]['model'].keys() == ckpts[1]['model'].keys()
+    assert all(torch.equal(ckpts[0]['model'][k], ckpts[1]['model'][k]) for k in ckpts[1]['model'])
+
+
+def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_that_resumes_exactly(tmp_path, data_dir, monkeypatch,
+                                                                                   capsys):
+    """SIGTERM at iteration 3, before the first checkpoint, and SIGHUP at 10, an evaluation's
+    iteration, stop the run there, with the status of the signal and one line naming the
+    checkpoint of that iteration (at 10 the periodic one) and the command that resumes; resumed
+    twice, the run ends with the history of a run never stopped. With always_save_checkpoint=False,
+    ckpt.pt keeps the best weights: a stop after it replaces them with nothing and says that a
+    resume starts there, and the history is the same."""
+    common = [*TINY, f'--data_dir={data_dir}', '--eval_interval=5', '--max_iters=14']
+    for keep_best in (False, True):
+        flags = [*common, f'--always_save_checkpoint={not keep_best}']
+        whole, out = tmp_path / f'whole-{keep_best}', tmp_path / f'stopped-{keep_best}'
+        tc.main([*flags, f'--out_dir={whole}'])
+        signal_at(monkeypatch, {3: signal.SIGTERM, 10: signal.SIGHUP})
+        for at, sig, argv in ((3, signal.SIGTERM, flags), (10, signal.SIGHUP, ['--init_from=resume'])):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as e:
+                tc.main([*argv, f'--out_dir={out}'])
+            last = capsys.readouterr().err.strip().splitlines()[-1]
+            saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
+            assert e.value.code == 128 + sig and last.startswith(
+                f'interrupted at iter {at}: a resume starts from {out}/ckpt.pt at iter {saved}'), last
+            assert last.endswith(f' --init_from=resume --out_dir={out}'), last
+            assert saved == at or (keep_best and at == 10 and saved in (5, 10)), last
+            best = ' (the best so far: always_save_checkpoint=False): python ' in last
+            assert best == (saved != at), last
+            assert max(iters(out / 'train_log.jsonl')) == at - 1   # the steps before the stop, logged
+        tc.main(['--init_from=resume', f'--out_dir={out}'])
+        same_history(out, whole)
+
+
 def test_the_file_size_limit_is_named(tmp_path, data_dir):
     """A save past the file-size limit (ulimit -f) is one line that names the limit, not torch's
     'unexpected pos'; the partial file is removed."""
@@ -125,6 +202,41 @@ def test_sigkill_then_resume_gives_the_uninterrupted_history(tmp_path, data_dir)
     assert iters(out / 'log.jsonl') == [0, 20, 40]
     assert [e['val_loss'] for e in read_jsonl(out / 'log.jsonl')] == \
            [e['val_loss'] for e in read_jsonl(tmp_path / 'whole' / 'log.jsonl')]
+
+
+def test_ctrl_c_before_the_first_checkpoint_then_sigterm_and_resumes_give_the_uninterrupted_history(tmp_path,
+                                                                                                    data_dir):
+    """Ctrl-C pressed twice, 10 ms apart, after the evaluation at 0 (the first checkpoint is due at
+    20): the run stops at a step boundary with status 130 and one line, which holds the command
+    that resumes; that command, stopped by SIGTERM past its checkpoint, says the same with status
+    143; resumed to the end, the run has the very history of one never stopped: logs line for line
+    (but their timings), weights bit for bit."""
+    common = [*TINY, f'--data_dir={data_dir}', '--eval_interval=20', '--lr_decay_iters=100']
+    out, err = tmp_path / 'stopped', tmp_path / 'stderr'
+    command = [sys.executable, 'train_char.py', *common, f'--out_dir={out}', '--max_iters=100000']
+    stopped = []
+    for sig, after in ((signal.SIGINT, 'eval 0:'), (signal.SIGTERM, 'iter ')):
+        proc = start(*command[2:], stderr=err)
+        wait_for(proc, after)
+        proc.send_signal(sig)
+        if sig == signal.SIGINT:
+            time.sleep(0.01)
+            proc.send_signal(sig)
+        assert proc.wait(timeout=120) == 128 + sig
+        text = err.read_text()
+        last = text.strip().splitlines()[-1]
+        saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
+        assert 'Traceback' not in text and text.count('interrupted') == 1, text[-2000:]
+        assert last.startswith(f'interrupted at iter {saved}: a resume starts from {out}/ckpt.pt at iter {saved}: '
+                               'python train_char.py '), last
+        command = [sys.executable, *shlex.split(last.split(': ', 2)[2])[1:]]
+        assert command[2:] == [*common, '--max_iters=100000', '--init_from=resume', f'--out_dir={out}'], last
+        stopped.append(saved)
+    assert stopped[0] < 20 and stopped[1] > stopped[0], stopped
+    end = f'--max_iters={stopped[1] + 6}'
+    tc.main([*command[2:], end])
+    tc.main([*common, f'--out_dir={tmp_path / "whole"}', end])
+    same_history(out, tmp_path / 'whole')
 
 
 KILLED_INSIDE_THE_SECOND_SAVE = """
@@ -364,6 +476,7 @@ def test_ctrl_c_inside_a_save_stops_as_ctrl_c_does(tmp_path, data_dir, monkeypat
         tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--eval_interval=5', '--max_iters=20'])
     monkeypatch.undo()
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert e.value.code == 130 and last == f'interrupted at iter 10: a resume (--init_from=resume) starts from {out}/ckpt.pt at iter 5'
+    assert e.value.code == 130 and last.startswith(f'interrupted at iter 10: a resume starts from {out}/ckpt.pt at iter 5: ')
+    assert last.endswith(f' --init_from=resume --out_dir={out}'), last
     assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 5
     assert sorted(os.listdir(out)) == ['ckpt.pt', 'log.jsonl', 'train.lock', 'train_log.jsonl']

@@ -34,8 +34,10 @@ import eval_char as ec
 import train_char as tc
 from data import dataset
 from run_folder import read_jsonl
-from shell import DIVERGED
-from common import ENV, ROOT, TINY, cli, digest, fails, limit_memory, one_line_error, run, run_eval, sigint_default, wait_for
+import shell
+from shell import DIVERGED, note_signals, raise_noted, signals_as_ctrl_c
+from common import (ENV, ROOT, TINY, cli, digest, fails, limit_memory, one_line_error, run, run_eval,
+                    stopped_during_start_up, wait_for)
 
 
 def test_config_types_files_and_order(tmp_path):
@@ -574,21 +576,23 @@ def test_a_config_file_that_is_no_file_is_named_for_what_it_is(tmp_path):
     assert '-x: no such option (options are written --key=value' in fails('-x')
 
 
-def test_sigterm_and_sighup_stop_a_run_as_ctrl_c_does(tmp_path, data_dir):
-    """SIGTERM and SIGHUP print the line Ctrl-C prints (where the run stopped, where a resume
-    starts), with status 128 + the signal's number."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        out = tmp_path / sig.name
-        proc = subprocess.Popen([sys.executable, 'train_char.py', *TINY, '--max_iters=100000', f'--data_dir={data_dir}',
-                                 f'--out_dir={out}', '--eval_interval=5'], cwd=ROOT, env=ENV, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        wait_for(proc, 'eval 10:')
-        proc.send_signal(sig)
-        _, stderr = proc.communicate(timeout=60)
-        saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
-        assert proc.returncode == 128 + sig and 'Traceback' not in stderr, stderr[-2000:]
-        assert stderr.strip().splitlines()[-1].endswith(f'a resume (--init_from=resume) starts from {out}/ckpt.pt '
-                                                        f'at iter {saved}'), stderr[-2000:]
+def test_sighup_stops_a_run_as_ctrl_c_does(tmp_path, data_dir):
+    """SIGHUP (a closed terminal) prints the line Ctrl-C prints (where the run stopped, where a
+    resume starts, the command), with status 128 + its number; SIGTERM's test is the run folder's
+    test_ctrl_c_before_the_first_checkpoint_then_sigterm_and_resumes_give_the_uninterrupted_history."""
+    out = tmp_path / 'out'
+    proc = subprocess.Popen([sys.executable, 'train_char.py', *TINY, '--max_iters=100000', f'--data_dir={data_dir}',
+                             f'--out_dir={out}', '--eval_interval=5'], cwd=ROOT, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(proc, 'eval 5:')
+    proc.send_signal(signal.SIGHUP)
+    _, stderr = proc.communicate(timeout=60)
+    saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
+    assert proc.returncode == 128 + signal.SIGHUP and 'Traceback' not in stderr, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f'interrupted at iter {saved}: a resume starts from {out}/ckpt.pt at iter {saved}: '
+                           'python train_char.py '), last
+    assert last.endswith(f' --init_from=resume --out_dir={out}') and saved >= 5, last
 def test_an_output_encoding_without_a_characters_never_fails_a_finished_run(tmp_path, data_dir, monkeypatch):
     """PYTHONIOENCODING=ascii: the sample after training, and eval_char.py's, print '?' for the
     characters ascii lacks; the run ends with status 0. The training run is a process; eval_char's
@@ -620,22 +624,39 @@ def test_input_that_is_not_what_it_claims_is_named_in_one_line(tmp_path, data_di
     assert 'is a FIFO (named pipe), not a regular file' in fails(*TINY, f'--dataset={tmp_path / "fifo"}', never)
     assert 'is a directory, not a regular file' in fails(*TINY, f'--dataset={tmp_path}', never)
     assert not os.path.exists(tmp_path / 'never')
-def test_ctrl_c_says_where_training_stopped_and_where_a_resume_starts(tmp_path, data_dir):
-    out = tmp_path / 'out'
-    proc = subprocess.Popen([sys.executable, 'train_char.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out}',
-                             '--eval_interval=5', '--max_iters=100000'], cwd=ROOT, env=ENV, text=True,
-                            preexec_fn=sigint_default,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_for(proc, 'iter 10:')
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
-    last = stderr.strip().splitlines()[-1]
-    assert proc.returncode == 130 and 'Traceback' not in stderr, stderr[-2000:]
-    match = re.fullmatch(rf'interrupted at iter (\d+): a resume \(--init_from=resume\) starts from '
-                         rf'{re.escape(str(out))}/ckpt.pt at iter (\d+)', last)
-    assert match, last
-    stopped, resume_from = map(int, match.groups())
-    assert resume_from == torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] and 5 <= resume_from <= stopped
+def test_a_signal_in_the_loop_waits_for_a_step_boundary_and_ctrl_c_again_stops_at_once(monkeypatch):
+    """In the training loop (shell.note_signals) a signal is noted for the next step boundary;
+    another signal, or Ctrl-C again sooner than AGAIN_S, is ignored; Ctrl-C again AGAIN_S or more
+    later stops at once, and so does a signal noted when the loop ends (raise_noted); once
+    stopping, the process is deaf to further signals until the handlers before are back."""
+    before = signal.getsignal(signal.SIGINT)
+    with signals_as_ctrl_c():
+        noted = note_signals()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            os.kill(os.getpid(), sig)
+        assert noted == [signal.SIGTERM]
+        monkeypatch.setattr(shell, 'AGAIN_S', 0.0)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) == before
+    with signals_as_ctrl_c(), pytest.raises(shell.Interrupted) as e:
+        noted = note_signals()
+        os.kill(os.getpid(), signal.SIGHUP)
+        raise_noted(noted)
+    assert e.value.args == (signal.SIGHUP,)
+
+
+def test_ctrl_c_at_any_moment_of_start_up_is_one_line(tmp_path, data_dir):
+    """Ctrl-C while torch is imported (at once, 0.3 s and 1 s after the script's first line), twice
+    10 ms apart, and twice while a config file runs: each time one line, status 130, never a
+    traceback, also from a second press that lands in the first one's exit."""
+    args = [*TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "out"}']
+    for delay, twice in ((0, False), (0.3, False), (1.0, True)):
+        stopped_during_start_up(tmp_path, 'train_char.py', *args, delay=delay, twice=twice)
+    ready = tmp_path / 'ready'
+    (tmp_path / 'slow.py').write_text(f"open({str(ready)!r}, 'w').close()\n__import__('time').sleep(60)\n")
+    stopped_during_start_up(tmp_path, 'train_char.py', str(tmp_path / 'slow.py'), *args, twice=True, ready=ready)
 
 
 def test_settings_are_checked_where_they_are_parsed(tmp_path, data_dir, capsys):
