@@ -120,7 +120,7 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
     weight = ckpt['model']['wte.weight'].clone()
     weight[3, 5] = float('nan')                  # one entry
     damaged = {'iter_num': dict(ckpt, iter_num=-4), 'tokens': dict(ckpt, tokens=True),
-               'best_val_loss': dict(ckpt, best_val_loss='x'), 'elapsed': dict(ckpt, elapsed=-1.0), 'weight': dict(ckpt, model=dict(ckpt['model'], **{'wte.weight': weight}))}
+               'best_val_loss': dict(ckpt, best_val_loss='x'), 'elapsed': dict(ckpt, elapsed=float('nan')), 'weight': dict(ckpt, model=dict(ckpt['model'], **{'wte.weight': weight}))}
     moments = {k: dict(s) for k, s in ckpt['optimizer']['state'].items()}
     moments[0]['exp_avg_sq'] = moments[0]['exp_avg_sq'] * float('inf')
     damaged['moment'] = dict(ckpt, optimizer=dict(ckpt['optimizer'], state=moments))

@@ -315,7 +315,7 @@ def test_a_damaged_split_is_noted_and_prepared_again_never_used(checkpointed, tm
 
     def main(script, *argv):   # what it printed: (stdout, stderr)
         capsys.readouterr()
-        script.main([f'--out_dir={out}', *argv])
+        script.main([f'--out_dir={out}', f'--data_dir={data_dir}', *argv])
         return capsys.readouterr()
     good = main(ec, '--batch_size=1024')
     assert 'SHA-256' not in good.err, good.err[-2000:]
@@ -336,6 +336,7 @@ def test_a_damaged_split_is_noted_and_prepared_again_never_used(checkpointed, tm
     train.tofile(folder / 'train.bin')
     meta = json.loads((folder / 'meta.json').read_text())
     meta['sha256']['train'] = prep.hashlib.sha256(train).hexdigest()   # a digest that matches the damage
+    meta['self_sha256'] = prep.meta_digest(meta)   # and meta.json's own, made to match too
     (folder / 'meta.json').write_text(json.dumps(meta))
     result = main(tc, '--init_from=resume', '--max_iters=10')
     assert 'train.bin holds token id 255, past its 80-symbol vocabulary' in result.err, result.err[-2000:]
