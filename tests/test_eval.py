@@ -39,13 +39,15 @@ def test_eval_help_prints_its_docstring_and_every_default(capsys):
 
 
 def test_eval_scores_every_token_once(trained, tmp_path, monkeypatch, capsys):
-    # a shorter Shakespeare keeps this fast; its vocabulary is a subset of the model's
+    # a shorter Shakespeare keeps this fast; its vocabulary is a subset of the model's; other data
+    # than the run's, so scored only when asked
     small = tmp_path / 'small.txt'
     small.write_bytes(open(prep.BUNDLED, 'rb').read()[:20000])
     monkeypatch.setattr(prep, 'BUNDLED', str(small))
     results = []
     for stride in (0, 5, 16):
-        run_eval('--mode=eval', f'--out_dir={trained}', f'--stride={stride}', f'--data_dir={tmp_path}', '--batch_size=64')
+        run_eval('--mode=eval', f'--out_dir={trained}', f'--stride={stride}', f'--data_dir={tmp_path}', '--batch_size=64',
+                 '--other_data=True')
         out, err = capsys.readouterr()
         results.append(json.loads(out))
         assert 'shakespeare has no test split' in err
@@ -203,13 +205,13 @@ def test_an_unwritable_plot_file_is_one_line(trained, tmp_path):
 def test_eval_runs_the_model_without_dropout(trained, tmp_path, monkeypatch, capsys):
     """eval scores the model in eval mode: with dropout set (--dropout and --attn_dropout 0.5), the
     result is the same on every run, and the same as without dropout."""
-    small = tmp_path / 'small.txt'   # a shorter Shakespeare keeps this fast
+    small = tmp_path / 'small.txt'   # a shorter Shakespeare keeps this fast (other data: a flag)
     small.write_bytes(open(prep.BUNDLED, 'rb').read()[:20000])
     monkeypatch.setattr(prep, 'BUNDLED', str(small))
     results = []
     for dropout in (0.5, 0.5, 0.0):
         run_eval('--mode=eval', f'--out_dir={trained}', f'--data_dir={tmp_path}', '--batch_size=64',
-                 f'--dropout={dropout}', f'--attn_dropout={dropout}')
+                 f'--dropout={dropout}', f'--attn_dropout={dropout}', '--other_data=True')
         results.append(json.loads(capsys.readouterr().out))
     assert results[0] == results[1] == results[2] and results[0]['val_tokens'] == 2000 - 1
 
@@ -219,10 +221,11 @@ def test_eval_refuses_a_split_too_short_for_one_window(trained, tmp_path, capsys
     refused in one line, not a traceback from the scoring; one of 17 is scored."""
     text = tmp_path / 'short.txt'
     text.write_bytes(b'abcd' * 80)   # 90 / 5 / 5 of 320: val and test 16 tokens each
-    message = fails_eval('--mode=eval', f'--out_dir={trained}', f'--dataset={text}', f'--data_dir={tmp_path}')
+    other = f'--dataset={text}', f'--data_dir={tmp_path}', '--other_data=True'   # not the run's data
+    message = fails_eval('--mode=eval', f'--out_dir={trained}', *other)
     assert message == f'error: the val split of {text} has 16 tokens, too few for block_size=16'
     text.write_bytes(b'abcd' * 85)   # of 340: 17 each
-    run_eval('--mode=eval', f'--out_dir={trained}', f'--dataset={text}', f'--data_dir={tmp_path}')
+    run_eval('--mode=eval', f'--out_dir={trained}', *other)
     result = json.loads(capsys.readouterr().out)
     assert result['val_tokens'] == result['test_tokens'] == 16
 
