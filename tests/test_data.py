@@ -348,3 +348,24 @@ def test_a_damaged_split_is_noted_and_prepared_again_never_used(checkpointed, tm
     (tmp_path / 'data' / 'enwik8' / 'test.bin').write_bytes(b'\0' * 200)
     with pytest.raises(SystemExit, match='could not download http://127.0.0.1:9/unreachable.zip'):
         dataset.load_dataset('enwik8', str(tmp_path / 'data'))
+
+
+def test_a_damaged_meta_json_is_named_and_prepared_again(checkpointed, tmp_path, data_dir, capsys):
+    """One flipped bit in meta.json's vocabulary ('t' to 'u') fails its self_sha256: eval names
+    meta.json as damaged, prepares it again from its source and scores what it scored before;
+    nothing blames the text."""
+    out = copy_of(checkpointed, tmp_path)
+
+    def scores():   # (its JSON, its stderr)
+        capsys.readouterr()
+        ec.main([f'--out_dir={out}', f'--data_dir={data_dir}', '--batch_size=1024'])
+        printed, err = capsys.readouterr()
+        return json.loads(printed), err
+    good, _ = scores()
+    path = pathlib.Path(data_dir) / 'shakespeare' / 'meta.json'
+    meta = json.loads(path.read_text())
+    meta['vocab'][meta['vocab'].index(ord('t'))] ^= 1
+    path.write_text(json.dumps(meta))
+    again, err = scores()
+    assert again == good and f'note: {path} is damaged (it does not match its self_sha256)' in err, err[-2000:]
+    assert 'outside' not in err and json.loads(path.read_text())['vocab'] == dataset.load_dataset('shakespeare', str(data_dir))[1]
