@@ -2,11 +2,14 @@
 checkpoint.py: a checkpoint of train_char.py read back, trusting nothing in it. load() checks the
 file (its zip CRCs, that it holds tensors and plain values only, what a checkpoint holds, of the
 right types and values); resume() merges its settings with those given and checks that its weights
-fit them; load_weights() and restore() put the weights, optimizer, loss scaler and random
-generators back. Each refusal is one line (shell.die). run_folder.py writes checkpoints.
+fit them; load_data() loads the data it records and holds it to them; load_weights() and restore()
+put the weights, optimizer, loss scaler and random generators back. Each refusal is one line
+(shell.die). run_folder.py writes checkpoints.
 """
+import errno
 import math
 import os
+import sys
 import warnings
 import zipfile
 
@@ -14,7 +17,12 @@ import torch
 
 from configurator import settings_problem
 from damcha_torch import GPT, GPTConfig
+from data import dataset
 from shell import die
+
+# never taken from a checkpoint: where a resume writes and what it is asked to do now (a saved
+# data_dir is only read from: load_data)
+KEEP = ('mode', 'init_from', 'out_dir', 'data_dir', 'other_data')
 
 
 def load_checkpoint(out_dir):
@@ -24,7 +32,13 @@ def load_checkpoint(out_dir):
         die(f"no checkpoint at {path}")
     if os.path.getsize(path) == 0:
         die(f"{path} is empty (0 bytes), not a checkpoint")
-    if zipfile.is_zipfile(path):   # anything else: torch.load's own error below says what it is
+    try:   # before anything else, which would call an unreadable file damaged
+        open(path, 'rb').close()
+    except OSError as e:
+        die(f"cannot read {path}: "
+            + ('permission denied' if e.errno == errno.EACCES else e.strerror or str(e)))
+    zipped = zipfile.is_zipfile(path)
+    if zipped:   # anything else: torch.load's own error below says what it is
         verify_archive(path)
     try:
         # e.g. on a plain pickle: the error below says it in one line
@@ -34,11 +48,14 @@ def load_checkpoint(out_dir):
     except Exception as e:   # torch.load raises many kinds for a damaged file; all mean the same
         die(f"{path} is not a readable checkpoint: damaged, or not written by train_char.py "
             f"({type(e).__name__}: {load_error(e)})")
+    if not zipped:   # torch.save's legacy format: no CRCs, so a changed byte would go unseen
+        die(f"{path} is not a zip-format checkpoint of train_char.py (an old torch.save format, "
+            "whose bytes cannot be verified): refused rather than used unverified")
     check_contents(ckpt, path)
     return ckpt
 
 
-def resume(cfg, given, ranges, attentions, keep=('mode', 'init_from', 'out_dir')):
+def resume(cfg, given, ranges, attentions, keep=KEEP):
     """(settings, model fields, checkpoint) of a run resumed, or evaluated, from out_dir/ckpt.pt:
     its settings overridden by those given, refused now if its weights no longer fit them
     (attentions: {attn name: the class of h.{l}.attn} beyond the book's, as the scripts' main
@@ -46,10 +63,60 @@ def resume(cfg, given, ranges, attentions, keep=('mode', 'init_from', 'out_dir')
     ckpt = load_checkpoint(cfg['out_dir'])
     cfg, model_args = from_checkpoint(ckpt, cfg, given, ranges, keep)
     check_fit(model_args, ckpt, attention_class(model_args['attn'], attentions))
+    if 'dataset' not in given:
+        cfg['dataset'] = data_source(cfg['dataset'], ckpt)
     return cfg, model_args, ckpt
 
 
-def from_checkpoint(ckpt, cfg, given, ranges, keep=('mode', 'init_from', 'out_dir')):
+def data_source(name, ckpt):
+    """The dataset a resume or evaluation reads: the checkpoint's as it was given (a text file
+    relative to the folder the script runs in), or, where no such file is here, the text file at
+    the absolute path the checkpoint recorded. The path only finds the data; load_data compares
+    their digests."""
+    path = ckpt.get('data', {}).get('path')
+    if path and name == ckpt['data']['dataset'] and not os.path.exists(name) \
+            and os.path.isfile(path):
+        print(f"note: the dataset {name} is not here: reading the run's {path}", file=sys.stderr)
+        return path
+    return name
+
+
+def load_data(cfg, given, ckpt, use):
+    """(corpora, vocabulary) of a run resumed or evaluated from ckpt, held to the data the
+    checkpoint records. Its saved data_dir is read from, where it holds those data, never prepared
+    into: anything prepared goes into the data_dir of this run's settings. Data that differ from
+    the checkpoint's are refused unless other_data (use: what is done with them, for the message);
+    a checkpoint that records none (an older version's) is used with a note."""
+    record = ckpt.get('data')
+    saved_dir = ckpt['config'].get('data_dir')
+    also_in = saved_dir if 'data_dir' not in given and isinstance(saved_dir, str) else None
+    expected = record['corpora'] if record else None
+    corpora, vocab = dataset.load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'],
+                                          also_in, expected)
+    path = os.path.join(cfg['out_dir'], 'ckpt.pt')
+    if record is None:
+        print(f"note: {path} records no digests of its data (saved by an older version): the "
+              f"data of {cfg['dataset']} are {use} unchecked", file=sys.stderr)
+        return corpora, vocab
+    records = (record['corpora'] if len(record['corpora']) == len(corpora)
+               else [None] * len(corpora))
+    for c, r in zip(corpora, records):
+        if r is not None and dataset.same_data(c.meta, r):
+            continue
+        differ = ['vocabulary'] * (r is None or c.meta['vocab'] != r['vocab']) + [
+            f'{s}.bin' for s in sorted(c.meta['sha256'].keys() | (r or {}).get('sha256', {}).keys())
+            if r is None or c.meta['sha256'].get(s) != r['sha256'].get(s)]
+        message = (f"{c.name}, prepared in {c.dir}, is not the data {path} was trained on "
+                   f"({record['dataset']}" + (f", {record['path']}" if record['path'] else '')
+                   + f"): its {', '.join(differ)} differ (another file of that name, a file "
+                   "changed since, or a folder prepared again)")
+        if not cfg['other_data']:
+            die(f"{message}; give --other_data=True to have them {use} all the same")
+        print(f"note: {message}; --other_data=True: they are {use}", file=sys.stderr)
+    return corpora, vocab
+
+
+def from_checkpoint(ckpt, cfg, given, ranges, keep=KEEP):
     """(settings, model_args): the run's saved settings, overridden by those given now (and by keep,
     never taken from a checkpoint); model fields too, as long as the weights still fit (say
     --blocks=diag to ablate a trained model)."""
@@ -152,10 +219,18 @@ def check_contents(ckpt, path):
                           for k in ('model', 'model_args', 'config', 'optimizer')):
         die(f"{path} is not a checkpoint of train_char.py "
             f"(it lacks {', '.join(missing) or 'the right types'})")
+    elapsed = ckpt['elapsed']
+    if type(elapsed) in (int, float) and -math.inf < elapsed < 0:
+        # an older version timed runs by the wall clock, which an NTP correction can step back
+        print(f"note: {path} holds a negative training time, elapsed={elapsed} s (a wall clock "
+              "that stepped back under an older version): counted as 0", file=sys.stderr)
+        ckpt['elapsed'] = 0.0
     numbers = dict(iter_num=int, tokens=int, best_val_loss=(int, float), elapsed=(int, float))
-    # a negative iter_num would resume with negative learning rates
+    # a negative iter_num would resume with negative learning rates; best_val_loss is inf while
+    # no evaluation was saved (a run stopped before its first periodic checkpoint)
     wrong = [k for k, kind in numbers.items() if type(ckpt[k]) is bool
-             or not isinstance(ckpt[k], kind) or not 0 <= ckpt[k] < math.inf]
+             or not isinstance(ckpt[k], kind) or not 0 <= ckpt[k] < math.inf
+             and not (k == 'best_val_loss' and ckpt[k] == math.inf)]
     if wrong:
         die(f"{path} is damaged: {', '.join(wrong)} should be numbers of at least 0, and finite")
     vocab = ckpt['vocab']
@@ -167,6 +242,9 @@ def check_contents(ckpt, path):
     if type(vocab_size) is int and len(vocab) > vocab_size:
         die(f"{path} is damaged: its vocab has {len(vocab)} symbols, more than the model's "
             f"vocab_size={vocab_size}")
+    if 'data' in ckpt and not data_record_ok(ckpt['data']):   # an older version's has none
+        die(f"{path} is damaged: its record of its data is not the dataset, its path and each "
+            "corpus's name, vocabulary and digests")
     state = [s for s in ckpt['optimizer'].get('state', {}).values() if isinstance(s, dict)]
     if not all(torch.isfinite(t).all()
                for t in [*ckpt['model'].values(), *(t for s in state for t in s.values())]
@@ -176,6 +254,18 @@ def check_contents(ckpt, path):
            for s in state):
         die(f"{path} is damaged: its optimizer state holds a negative exp_avg_sq "
             "(Adam's mean squared gradient)")
+
+
+def data_record_ok(data):
+    """Whether a checkpoint's `data` (dataset.record) has the form load_data reads."""
+    def strings(d):
+        return isinstance(d, dict) and all(isinstance(v, str) for v in [*d, *d.values()])
+    return (isinstance(data, dict) and isinstance(data.get('dataset'), str)
+            and isinstance(data.get('path', 0), (str, type(None)))
+            and isinstance(data.get('corpora'), list)
+            and all(isinstance(c, dict) and isinstance(c.get('name'), str)
+                    and isinstance(c.get('vocab'), list) and strings(c.get('sha256'))
+                    and isinstance(c.get('meta_sha256'), str) for c in data['corpora']))
 
 
 def check_saved_settings(path, cfg, saved, fields, ranges):

@@ -52,7 +52,9 @@ DEFAULTS = dict(
     # taken from the checkpoint unless given here
     dataset='shakespeare',        # shakespeare | enwik8 | text8 | mix | path to a text file
     data_dir='',                  # prepared datasets go in <data_dir>/<name>/; '' is data/ beside
-                                  # this file
+                                  # this file (the checkpoint's is read from, never written to)
+    other_data=False,             # True: score data other than those the checkpoint records (a
+                                  # changed file, another of its name): refused otherwise
     seed=1337,                    # of the samples
     device='auto',                # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     dtype='auto',                 # auto (CUDA: bfloat16 if supported, else float16; float32
@@ -84,7 +86,7 @@ LN2 = math.log(2)
 def load_for_inference(cfg, given, attentions):
     """(checkpoint, settings, model in eval mode on its device, device, autocast context)."""
     cfg, model_args, ckpt = checkpoint.resume(cfg, given, RANGES, attentions,
-                                              keep=('mode', 'out_dir', 'compile', *SAMPLING))
+                                              keep=(*checkpoint.KEEP, 'compile', *SAMPLING))
     device, _, ctx = devices.setup(cfg['device'], cfg['dtype'], model_args['kernel'])
     model = GPT(checkpoint.model_config(model_args),
                 checkpoint.attention_class(model_args['attn'], attentions))
@@ -103,7 +105,7 @@ def evaluate(cfg, given, attentions):
         devices.check_compiler(device)
         model = torch.compile(model)
     with memory_for(f"preparing or loading the dataset {cfg['dataset']}", "give a smaller one"):
-        corpora, _ = dataset.load_dataset(cfg['dataset'], cfg['data_dir'], ckpt['vocab'])
+        corpora, _ = checkpoint.load_data(cfg, given, ckpt, 'scored')
     dataset.check_lengths(corpora, ('val', 'test'), cfg['block_size'])
     result = dict(dataset=cfg['dataset'], iter=ckpt['iter_num'], block_size=cfg['block_size'],
                   stride=cfg['stride'] or cfg['block_size'])

@@ -63,6 +63,8 @@ DEFAULTS = dict(
     dataset='shakespeare',        # shakespeare | enwik8 | text8 | mix | path to a text file
     data_dir='',                  # prepared data go in <data_dir>/<dataset, or a text file's
                                   # stem-digest>/; '': data/
+    other_data=False,             # True: a resume may train on data other than those its
+                                  # checkpoint records (a changed file): refused otherwise
     seed=1337,                    # of the weights, the training rows and dropout
     device='auto',                # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     dtype='auto',                 # auto (CUDA: bfloat16 if supported, else float16; float32
@@ -289,8 +291,8 @@ def train(cfg, given, run, attentions):
         except RuntimeError:   # rank 0 stopped: its own error says why
             die("rank 0 stopped before the data were ready; its error is above")
     with memory_for(f"preparing or loading the dataset {cfg['dataset']}", "give a smaller one"):
-        corpora, vocab = dataset.load_dataset(cfg['dataset'], cfg['data_dir'],
-                                              ckpt and ckpt['vocab'])
+        corpora, vocab = (checkpoint.load_data(cfg, given, ckpt, 'trained on') if ckpt is not None
+                          else dataset.load_dataset(cfg['dataset'], cfg['data_dir']))
     if ddp and master:
         dist.barrier()
     if ckpt is None:
@@ -342,13 +344,13 @@ def train(cfg, given, run, attentions):
 
     def checkpoint_now(rng, elapsed):
         """The checkpoint of iteration iter_num, before its step (a resume takes that step first),
-        periodic or a stop's. Its numbers are finite: until a save sets the best val loss, the
-        largest float stands for none."""
+        periodic or a stop's, with the record of the data it trained on."""
         run.save_checkpoint(dict(
             model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
             scaler=scaler.state_dict(), config=cfg, **saved, iter_num=iter_num,
-            best_val_loss=min(best_val_loss, sys.float_info.max), tokens=tokens,
-            elapsed=elapsed, rng=dict(batches=batches.get_state(), torch=rng)))
+            best_val_loss=best_val_loss, tokens=tokens, elapsed=elapsed,
+            rng=dict(batches=batches.get_state(), torch=rng),
+            data=dataset.record(cfg['dataset'], corpora)))
     noted = note_signals()   # from here a signal stops the run between two steps (stopping)
     if master:
         run.start_logs(start, resumed=ckpt is not None)
@@ -358,7 +360,7 @@ def train(cfg, given, run, attentions):
 
     # the loop: log, evaluate, checkpoint, snapshot and step, until max_iters
     pending = []   # (iter, lr, loss on the device) of the steps not logged yet: one sync per line
-    t_log = t_eval = time.time()
+    t_log = t_eval = time.monotonic()   # durations: a wall clock may step back (NTP, a restore)
     t_run = t_log - (ckpt['elapsed'] if ckpt else 0.0)
     eval_iter = start
     bar = tqdm(total=cfg['max_iters'], initial=start, disable=not master, unit='it',
@@ -373,25 +375,25 @@ def train(cfg, given, run, attentions):
             if pending and (iter_num % cfg['log_interval'] == 0 or evaluating or stopping):
                 # Diverged on a non-finite loss, before any stop
                 losses, stopping = synced_losses(pending, ddp, world, bool(noted))
-                dt = (time.time() - t_log) / len(pending)
+                dt = (time.monotonic() - t_log) / len(pending)
                 if master:
                     run.log('train_log.jsonl', [dict(iter=it, loss=loss, lr=step_lr)
                                                 for (it, step_lr, _), loss in zip(pending, losses)])
                     # MFU against a datacenter GPU's peak: meaningless elsewhere
                     mfu = (f", mfu {raw_model.estimate_mfu(rows // world, dt):.2%}"
-                           if device.startswith('cuda') else '')
+                           if device.startswith('cuda') and dt > 0 else '')
                     bar.write(f"iter {iter_num}: loss {sum(losses) / len(losses):.4f}, lr "
                               f"{pending[-1][1]:.2e}, {dt * 1000:.1f} ms/iter, "
-                              f"{tokens_per_iter / dt:,.0f} tokens/s{mfu}")
-                pending, t_log = [], time.time()
+                              f"{per_second(tokens_per_iter, dt):,.0f} tokens/s{mfu}")
+                pending, t_log = [], time.monotonic()
             # a resumed run's first iteration was evaluated, and checkpointed, by the run it resumes
             if evaluating and not (ckpt is not None and iter_num == start):
-                speed = ((iter_num - eval_iter) * tokens_per_iter / (time.time() - t_eval)
-                         if iter_num > eval_iter else 0.0)
+                speed = per_second((iter_num - eval_iter) * tokens_per_iter,
+                                   time.monotonic() - t_eval)
                 rng = rng_states(ddp)   # before evaluating, as the next step will find them
                 losses = estimate_loss(eval_model, corpora, cfg, device, ctx) if master else {}
                 stop_if_diverged(losses, iter_num, ddp, device)
-                elapsed = round(time.time() - t_run, 3)
+                elapsed = round(time.monotonic() - t_run, 3)
                 if master:   # lr: of the step this iteration takes, as in train_log.jsonl
                     run.log('log.jsonl', [dict(iter=iter_num, tokens=tokens, time=elapsed, lr=lr,
                                                tokens_per_sec=speed, **losses)])
@@ -403,7 +405,7 @@ def train(cfg, given, run, attentions):
                                              or cfg['always_save_checkpoint']):
                         best_val_loss = min(best_val_loss, losses['val_loss'])
                         checkpoint_now(rng, elapsed)
-                t_log = t_eval = time.time()
+                t_log = t_eval = time.monotonic()
                 eval_iter = iter_num
             if master and iter_num in snapshots:
                 run.save_snapshot(raw_model, saved, iter_num)
@@ -411,7 +413,7 @@ def train(cfg, given, run, attentions):
                 rng = rng_states(ddp)
                 if master and run.saved_iter != iter_num and (
                         run.saved_iter is None or cfg['always_save_checkpoint']):
-                    checkpoint_now(rng, round(time.time() - t_run, 3))
+                    checkpoint_now(rng, round(time.monotonic() - t_run, 3))
                 if ddp:   # no process ends (torchrun would then end rank 0) before rank 0 saved
                     dist.barrier()
                 raise_as_ctrl_c(noted[0] if noted else signal.SIGTERM)   # else: another's signal
@@ -454,7 +456,7 @@ def train(cfg, given, run, attentions):
         bar.close()
     raise_noted(noted)
     if master:
-        print(f"done: iter {iter_num}, {time.time() - t_run:.0f} s of training; best val loss "
+        print(f"done: iter {iter_num}, {time.monotonic() - t_run:.0f} s of training; best val loss "
               f"{best_val_loss:.4f} ({best_val_loss / LN2:.4f} bpc)")
         sample(raw_model, prompt, vocab, cfg, device, ctx)
     if ddp:
@@ -462,6 +464,12 @@ def train(cfg, given, run, attentions):
         # and samples: a process group whose members leave early aborts the others
         dist.barrier()
         dist.destroy_process_group()
+
+
+def per_second(count, seconds):
+    """count / seconds, or 0.0 where no time passed by the clock (its resolution, or a clock that
+    stood still): a rate never ends a run in a division by zero."""
+    return count / seconds if seconds > 0 else 0.0
 
 
 def synced_losses(pending, ddp, world, stop):

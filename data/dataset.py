@@ -1,7 +1,13 @@
 """
-data/dataset.py: a prepared dataset loaded for training and evaluation: each corpus's splits mapped
-into memory (np.memmap, checked against meta.json), the vocabulary, and text <-> token ids.
-data/prepare.py downloads and prepares the datasets on first use.
+data/dataset.py: a prepared dataset loaded for training and evaluation: each corpus's splits read
+into memory (checked against meta.json), the vocabulary, and text <-> token ids. data/prepare.py
+downloads and prepares the datasets on first use.
+
+The splits are read whole into this process's memory, not mapped (np.memmap): a mapped file is the
+file on disk, so one truncated under a running run ends it with SIGBUS, and one rewritten with ids
+past the vocabulary in an IndexError, neither of which a lock prevents (flock is advisory). The
+check against meta.json reads every byte anyway; the bytes read are the bytes checked and kept.
+The cost is memory: a split's size (enwik8's train split, 90 MB).
 
     from data.dataset import load_dataset, encode, decode
     corpora, vocab = load_dataset('shakespeare')     # corpora[0].splits['train']: uint8 token ids
@@ -13,7 +19,7 @@ import sys
 
 import numpy as np
 
-from data.prepare import corpus_names, prepare
+from data.prepare import HERE, SOURCES, corpus_names, prepare
 from shell import die
 
 
@@ -22,17 +28,22 @@ class Corpus:
     """One corpus of a dataset, as train_char.get_batch and eval_char read it (mix has two)."""
     name: str                 # enwik8, text8, shakespeare or a text file's path
     dir: str                  # the folder it was prepared in
-    splits: dict              # {'train', 'val'(, 'test'): uint8 token ids, memory-mapped}
+    splits: dict              # {'train', 'val'(, 'test'): uint8 token ids, in memory}
     lut: np.ndarray | None    # its token ids -> the model's (mix: text8's 27 into 256);
                               # None: the same
+    meta: dict = None         # its meta.json: vocab, the splits' sha256, self_sha256
 
 
-def load_dataset(name, data_dir='', vocab=None):
+def load_dataset(name, data_dir='', vocab=None, also_in=None, expected=None):
     """(corpora, vocabulary): a Corpus per corpus of the dataset (mix has two), prepared on first
     use. The vocabulary, a list of byte values, is the union of the corpora's unless a checkpoint
-    fixes it."""
+    fixes it. also_in: a folder that may already hold them (a checkpoint's data_dir), read from,
+    never prepared into; expected: per corpus, the data a checkpoint recorded (or None), which
+    what also_in holds must be."""
     names = corpus_names(name, data_dir)
-    metas, mapped = zip(*(verified(n, data_dir) for n in names))
+    expected = expected if expected and len(expected) == len(names) else [None] * len(names)
+    metas, mapped = zip(*(found(n, also_in, e, data_dir) or verified(n, data_dir)
+                          for n, e in zip(names, expected)))
     if vocab is None:
         vocab = sorted(set().union(*(m['vocab'] for m in metas)))
     components = []
@@ -42,20 +53,63 @@ def load_dataset(name, data_dir='', vocab=None):
             die(f"dataset {n} has {len(outside)} characters outside the model's vocabulary, "
                 f"e.g. {bytes(outside[:10])!r}")
         lut = None if meta['vocab'] == vocab else np.array([vocab.index(b) for b in meta['vocab']])
-        components.append(Corpus(n, meta['dir'], splits, lut))
+        components.append(Corpus(n, meta['dir'], splits, lut, meta))
     return components, vocab
 
 
+def record(name, corpora):
+    """What a checkpoint records of its data, to which checkpoint.load_data holds a resume or an
+    evaluation: the dataset as given, a text file's absolute path (where to find it from another
+    folder), and per corpus its vocabulary, its splits' SHA-256s and meta.json's self_sha256."""
+    text_file = name not in ('shakespeare', 'mix', *SOURCES)
+    return dict(dataset=name, path=os.path.abspath(name) if text_file else None,
+                corpora=[dict(name=c.name, vocab=c.meta['vocab'], sha256=c.meta['sha256'],
+                              meta_sha256=c.meta['self_sha256']) for c in corpora])
+
+
+def same_data(meta, record):
+    """Whether a prepared corpus (its meta.json) holds the data a checkpoint recorded: the same
+    vocabulary and splits. Not meta.json's own digest, which also covers the source's path: a
+    moved file of the same content holds the same data."""
+    return meta['vocab'] == record['vocab'] and meta['sha256'] == record['sha256']
+
+
+def found(name, folder, record, data_dir):
+    """(meta, splits) of `name` prepared in folder (a checkpoint's data_dir) if it is there,
+    intact and (record) the data the checkpoint recorded; else None, with a note if it holds
+    something else, and the caller prepares them in data_dir. Nothing is written to folder."""
+    if folder is None:
+        return None
+    meta = prepare(name, folder, only_read=True)
+    if meta is None:
+        return None
+    splits, damage = read_splits(meta)
+    if record is not None and not same_data(meta, record):
+        damage = 'other data than the checkpoint records'
+    if not damage:
+        return meta, splits
+    print(f"note: {meta['dir']}, in the checkpoint's data_dir: {damage}; not used, nor prepared "
+          f"again there: the data are read, or prepared, in {data_dir or HERE}", file=sys.stderr)
+    return None
+
+
+def read_splits(meta):
+    """(splits, damage): a prepared folder's splits read into memory, and what is wrong with them
+    against meta.json ('' if nothing)."""
+    splits = {s: np.fromfile(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8)
+              for s in meta['splits']}
+    damage = '; '.join(f'{s}.bin {why}' for s, ids in splits.items()
+                       if (why := split_damage(ids, meta['sha256'][s], len(meta['vocab']))))
+    return splits, damage
+
+
 def verified(name, data_dir):
-    """(meta, splits as memmaps) of a prepared dataset, the very bytes that a run reads checked
+    """(meta, splits in memory) of a prepared dataset, the very bytes that a run reads checked
     against meta.json: a damaged split (or the splits of two preparations mixed) is prepared again
     from its source, with a note; where the source is gone, preparing says so in one line."""
     meta = prepare(name, data_dir)
     for again in (False, True):
-        splits = {s: np.memmap(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8, mode='r')
-                  if size else np.zeros(0, dtype=np.uint8) for s, size in meta['splits'].items()}
-        damage = '; '.join(f'{s}.bin {why}' for s, ids in splits.items()
-                           if (why := split_damage(ids, meta['sha256'][s], len(meta['vocab']))))
+        splits, damage = read_splits(meta)
         if not damage:
             return meta, splits
         if again:

@@ -11,11 +11,13 @@ download ahead, on a machine with a network say.
 
 Datasets are prepared once into <data_dir>/<name>/ (data_dir '' is this folder, data/ in the
 repository; a text file goes into <data_dir>/<its stem>-<8 hex digits of its full path's SHA-256>/,
-its own whatever other file has its name) as uint8 token ids ({train,val,test}.bin, read with
-np.memmap) and meta.json (vocabulary as byte values, split sizes and SHA-256s, source, its
-checksum); preparing one says where it went, on stderr. Two preparations of one folder take turns
-(an flock on it). Each use checks the splits it maps against meta.json (data/dataset.py): a
-damaged split is prepared again from its source, with a note.
+its own whatever other file has its name) as uint8 token ids ({train,val,test}.bin) and meta.json
+(vocabulary as byte values, split sizes and SHA-256s, source, its checksum, and self_sha256, the
+digest of all that); preparing one says where it went, on stderr. A folder is no more readable
+than its source file (a 0600 file gives a folder only its owner can read). Two preparations of one
+folder take turns (an flock on it). Each use checks meta.json against its self_sha256 and the splits
+it reads against meta.json (data/dataset.py): a damaged meta.json or split is prepared again from
+its source, with a note.
     shakespeare  the bundled data/shakespeare/input.txt: its distinct bytes, 90% train / 10% val
                  (no test split, so eval reports val only)
     enwik8       the first 10^8 bytes of English Wikipedia XML: 256 bytes, 90M / 5M / 5M
@@ -33,6 +35,7 @@ import hashlib
 import http.client
 import json
 import os
+import stat
 import sys
 import urllib.request
 import zipfile
@@ -66,29 +69,56 @@ BUNDLED = os.path.join(HERE, 'shakespeare', 'input.txt')
 # ---------------------------------------------------------------------------------------------
 # Preparation
 
-def read_meta(folder, digest):
+def meta_digest(meta):
+    """meta.json's self_sha256: the SHA-256 of its other fields as canonical JSON (sorted keys, no
+    spaces), so that a flipped bit in its vocabulary is found as damage to meta.json itself."""
+    fields = {k: v for k, v in meta.items() if k not in ('self_sha256', 'dir')}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(',', ':')).encode()
+                          ).hexdigest()
+
+
+def read_meta(folder, digest, say=True):
     """meta.json of a dataset folder completely prepared from the source with this digest, else
-    None (the folder is then prepared again)."""
+    None (the folder is then prepared again). A meta.json that does not parse or fails its
+    self_sha256 is said (say) to be damaged, never taken for a changed source."""
+    path = os.path.join(folder, 'meta.json')
     try:
-        with open(os.path.join(folder, 'meta.json')) as f:
-            meta = json.load(f)
+        with open(path, 'rb') as f:
+            meta = json.loads(f.read())
+        intact = isinstance(meta, dict) and meta.get('self_sha256') == meta_digest(meta)
+    except OSError:   # not prepared yet, or not this user's to read: prepared (again) if it may be
+        return None
+    except (ValueError, TypeError):   # TypeError: a field that canonical JSON cannot write
+        intact = False
+    if not intact:
+        if say:
+            print(f"note: {path} is damaged (it does not match its self_sha256) or was written "
+                  "by an older version: not used; the data are prepared again from their source",
+                  file=sys.stderr)
+        return None
+    try:
         if (meta['digest'] == digest and isinstance(meta['vocab'], list)
                 and meta['sha256'].keys() == meta['splits'].keys()
                 and all(os.path.getsize(os.path.join(folder, f'{s}.bin')) == n
                         for s, n in meta['splits'].items())):
             return meta | {'dir': folder}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, KeyError, TypeError, AttributeError):
         pass
     return None
 
 
-def write_splits(folder, digest, make, again=False):
+def write_splits(folder, digest, make, again=False, readers=0o044):
     """The dataset folder prepared from the source with this digest: make() -> (ids, vocab,
     percents, source), cut into consecutive train/val(/test) parts by percentage, meta.json last.
     Under an flock on the folder, so that two preparations take turns rather than mix their files;
     the second finds the first's work done, unless it prepares again a damaged folder. The
-    partial files of a preparation whose process is gone (a kill) are removed meanwhile."""
-    os.makedirs(folder, exist_ok=True)
+    partial files of a preparation whose process is gone (a kill) are removed meanwhile. readers:
+    the group and other read bits of the source's mode; the folder and its files get no more."""
+    allowed = 0o700 | readers | readers >> 2   # read, and search for a folder, for the same
+    os.makedirs(folder, mode=allowed, exist_ok=True)
+    mode = stat.S_IMODE(os.stat(folder).st_mode)
+    if mode & ~allowed:   # made by an earlier preparation of a source readable by more
+        os.chmod(folder, mode & allowed)
     lock = os.open(folder, os.O_RDONLY)
     try:
         try:
@@ -100,30 +130,41 @@ def write_splits(folder, digest, make, again=False):
             # a file system without flock (some NFS): each use's check still finds a mix
             pass
         remove_partials(folder)
-        meta = None if again else read_meta(folder, digest)
-        return meta if meta is not None else write_locked(folder, digest, *make())
+        meta = None if again else read_meta(folder, digest, say=False)
+        return meta if meta is not None else write_locked(folder, digest, *make(), readers)
     finally:
         os.close(lock)
 
 
-def write_locked(folder, digest, ids, vocab, percents, source):
+def write_locked(folder, digest, ids, vocab, percents, source, readers):
     """write_splits's work, its lock held: each split's SHA-256 goes into meta.json, for
-    verified()."""
+    verified(), and meta.json's own into it; each file readable by no more than `readers`."""
     sizes = [len(ids) * p // 100 for p in percents[:-1]]
     sizes.append(len(ids) - sum(sizes))
     splits, sha256, begin = {}, {}, 0
     for split, size in zip(('train', 'val', 'test'), sizes):
         with atomic_write(os.path.join(folder, f'{split}.bin')) as f:
+            only_for(f, readers)
             f.write(ids[begin:begin + size])
         splits[split], sha256[split] = size, hashlib.sha256(ids[begin:begin + size]).hexdigest()
         begin += size
     meta = dict(vocab=[int(b) for b in vocab], splits=splits, sha256=sha256, source=source,
                 digest=digest)
+    meta['self_sha256'] = meta_digest(meta)
     with atomic_write(os.path.join(folder, 'meta.json')) as f:
+        only_for(f, readers)
         f.write(json.dumps(meta).encode())
     print(f"prepared {folder}: " + ', '.join(f'{s} {n:,}' for s, n in splits.items())
           + f" tokens, vocabulary of {len(vocab)}", file=sys.stderr)   # stdout: eval's JSON
     return meta | {'dir': folder}
+
+
+def only_for(f, readers):
+    """The file f, being written, readable by its owner and at most `readers` (group and other read
+    bits): the umask's mode, less what the source's readers lack."""
+    mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+    if mode & ~(0o600 | readers):
+        os.fchmod(f.fileno(), mode & (0o600 | readers))
 
 
 def download(name, archive):
@@ -179,13 +220,13 @@ def fetch(name, archive):
         die(f"{archive}: {e}; delete it to download it again")
 
 
-def prepare_download(name, data_dir, again=False):
+def prepare_download(name, data_dir, again=False, only_read=False):
     """enwik8 or text8, split 90 / 5 / 5 over the corpus's fixed vocabulary; prepared again if it
     was prepared from an archive with another checksum."""
     source, folder = SOURCES[name], os.path.join(data_dir, name)
     digest = ':'.join(source['digest'])
     meta = None if again else read_meta(folder, digest)
-    if meta is not None:
+    if meta is not None or only_read:
         return meta
     os.makedirs(folder, exist_ok=True)
     archive = os.path.join(folder, name + '.zip')
@@ -199,36 +240,39 @@ def prepare_download(name, data_dir, again=False):
     return write_splits(folder, digest, lambda: (ids, vocab, (90, 5, 5), source['url']), again)
 
 
-def prepare_text(path, folder, percents, again=False):
+def prepare_text(path, folder, percents, again=False, only_read=False):
     """A local text file, byte-level: its distinct bytes are the vocabulary. Prepared again
-    whenever the file's contents change."""
+    whenever the file's contents change, into a folder no more readable than the file."""
     try:
         with open(path, 'rb') as f:
             raw = f.read()
+            readers = os.fstat(f.fileno()).st_mode & 0o044
     except OSError as e:
         die(f"cannot read the dataset {path}: {e.strerror or e}")
     if not raw:
         die(f"{path} is empty")
     digest = 'sha256:' + hashlib.sha256(raw).hexdigest()
     meta = None if again else read_meta(folder, digest)
-    if meta is not None:
+    if meta is not None or only_read:
         return meta
     data = np.frombuffer(raw, dtype=np.uint8)
     vocab = np.unique(data)
     make = lambda: (np.searchsorted(vocab, data).astype(np.uint8), vocab, percents,
                     os.path.abspath(path))
-    return write_splits(folder, digest, make, again)
+    return write_splits(folder, digest, make, again, readers)
 
 
-def prepare(name, data_dir='', again=False):
+def prepare(name, data_dir='', again=False, only_read=False):
     """meta (with 'dir') of the prepared dataset `name`, preparing it if needed; again: even if it
-    looks prepared (a split was found damaged)."""
+    looks prepared (a split was found damaged); only_read: None rather than prepare it (a folder
+    that a checkpoint names is read from, never written to)."""
     data_dir = data_dir or HERE   # resolved here, so a moved checkout still works
     if name in SOURCES:
-        return prepare_download(name, data_dir, again)
+        return prepare_download(name, data_dir, again, only_read)
     if name == 'shakespeare':
-        return prepare_text(BUNDLED, os.path.join(data_dir, 'shakespeare'), (90, 10), again)
-    return prepare_text(name, text_file_dir(name, data_dir), (90, 5, 5), again)
+        return prepare_text(BUNDLED, os.path.join(data_dir, 'shakespeare'), (90, 10), again,
+                            only_read)
+    return prepare_text(name, text_file_dir(name, data_dir), (90, 5, 5), again, only_read)
 
 
 def text_file_dir(path, data_dir):

@@ -5,6 +5,8 @@ import contextlib
 import hashlib
 import io
 import os
+import pathlib
+import pickle
 import resource
 import shutil
 import signal
@@ -12,6 +14,7 @@ import struct
 import subprocess
 import sys
 import time
+import tempfile
 import types
 import zipfile
 
@@ -177,6 +180,43 @@ def flip(path, entry_size, value=None):
 
 def limit_memory(size):
     return lambda: resource.setrlimit(resource.RLIMIT_AS, (size, size))
+
+
+SPARE_UID = 65534   # nobody: the other user of the cross-user tests, which need root to become it
+
+
+def as_spare_user(fn):
+    """fn() in a forked child running as SPARE_UID (the modules it needs already imported: the
+    interpreter itself may live where that user cannot read), for the cross-user tests, which run
+    as root: ('returned', its value) or ('raised', 'ExceptionName: message')."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(SPARE_UID)
+            os.setuid(SPARE_UID)
+            try:
+                result = ('returned', fn())
+            except BaseException as e:   # SystemExit included: its message is the result
+                result = ('raised', f"{type(e).__name__}: {e.code if isinstance(e, SystemExit) else e}")
+            os.write(write, pickle.dumps(result))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, 'rb') as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return pickle.loads(data)
+
+
+def shared_folder():
+    """A fresh folder that every user may enter (0755, under /tmp), unlike pytest's tmp_path under
+    a root-only folder: a cross-user test's files are then kept from the other user by their own
+    mode alone. The caller removes it."""
+    folder = tempfile.mkdtemp(prefix='damcha-shared-')
+    os.chmod(folder, 0o755)
+    return pathlib.Path(folder)
 
 
 

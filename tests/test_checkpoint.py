@@ -7,6 +7,7 @@ resume in a copy of a run leaves the original alone.
     python -m pytest -q tests/test_checkpoint.py
 """
 import json
+import os
 import pickle
 import shutil
 
@@ -14,7 +15,8 @@ import torch
 
 import eval_char as ec
 import train_char as tc
-from common import TINY, cli, copy_of, digest, fails, fails_eval, flip, one_line_error, run
+from common import (TINY, as_spare_user, cli, copy_of, digest, fails, fails_eval, flip, one_line_error, run, run_eval,
+                    shared_folder)
 
 
 def test_bad_checkpoints_are_refused_and_kept(trained, tmp_path):
@@ -120,7 +122,7 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
     weight = ckpt['model']['wte.weight'].clone()
     weight[3, 5] = float('nan')                  # one entry
     damaged = {'iter_num': dict(ckpt, iter_num=-4), 'tokens': dict(ckpt, tokens=True),
-               'best_val_loss': dict(ckpt, best_val_loss='x'), 'elapsed': dict(ckpt, elapsed=-1.0), 'weight': dict(ckpt, model=dict(ckpt['model'], **{'wte.weight': weight}))}
+               'best_val_loss': dict(ckpt, best_val_loss='x'), 'elapsed': dict(ckpt, elapsed=float('nan')), 'weight': dict(ckpt, model=dict(ckpt['model'], **{'wte.weight': weight}))}
     moments = {k: dict(s) for k, s in ckpt['optimizer']['state'].items()}
     moments[0]['exp_avg_sq'] = moments[0]['exp_avg_sq'] * float('inf')
     damaged['moment'] = dict(ckpt, optimizer=dict(ckpt['optimizer'], state=moments))
@@ -218,3 +220,51 @@ def test_damaged_checkpoints_get_one_line_that_recommends_nothing_unsafe(tmp_pat
     torch.save({'model': print}, tmp_path / 'code' / 'ckpt.pt')
     last = fails('--mode=sample', f'--out_dir={tmp_path / "code"}', main=ec.main)
     assert 'is not a readable checkpoint' in last and 'Unsupported global' in last and 'safe_globals' not in last and 'weights_only' not in last, last
+
+
+def test_a_negative_elapsed_of_an_older_version_loads_a_nan_one_is_damaged(checkpointed, tmp_path, capsys):
+    """A wall clock that stepped back under an older version saved a negative elapsed: eval and a
+    resume take the checkpoint, note the number in one line and count it as 0; a NaN elapsed stays
+    damaged."""
+    out = copy_of(checkpointed, tmp_path)
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    torch.save(ckpt | {'elapsed': -3562.0}, out / 'ckpt.pt')
+    note = 'holds a negative training time, elapsed=-3562.0 s (a wall clock that stepped back'
+    capsys.readouterr()
+    run_eval(f'--out_dir={out}', '--batch_size=1024')
+    assert note in capsys.readouterr().err
+    run('--init_from=resume', f'--out_dir={out}', '--max_iters=10')
+    assert note in capsys.readouterr().err
+    resumed = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert resumed['iter_num'] == 10 and 0 <= resumed['elapsed'] < 600
+    torch.save(ckpt | {'elapsed': float('nan')}, out / 'ckpt.pt')
+    assert 'is damaged: elapsed should be numbers of at least 0, and finite' in fails_eval(f'--out_dir={out}')
+
+
+def test_a_legacy_or_unreadable_checkpoint_is_named_not_called_damaged(checkpointed, tmp_path):
+    """An old-format (non-zip) torch.save checkpoint has no CRC-32s to check: refused in one line
+    rather than used unverified. A checkpoint the user may not read says so, not "damaged" (read
+    by the spare user when the tests run as root, who ignores file modes). A record of its data of
+    the wrong form is damaged."""
+    ckpt = torch.load(checkpointed / 'ckpt.pt', weights_only=True)
+    (tmp_path / 'legacy').mkdir()
+    torch.save(ckpt, tmp_path / 'legacy' / 'ckpt.pt', _use_new_zipfile_serialization=False)
+    one_line_error(cli('--mode=sample', f'--out_dir={tmp_path / "legacy"}', script='eval_char.py'),
+                   f'{tmp_path / "legacy"}/ckpt.pt is not a zip-format checkpoint of train_char.py')
+    assert 'not a zip-format checkpoint' in fails('--init_from=resume', f'--out_dir={tmp_path / "legacy"}',
+                                                  '--max_iters=12')
+    (tmp_path / 'record').mkdir()
+    torch.save(ckpt | {'data': dict(ckpt['data'], corpora='shakespeare')}, tmp_path / 'record' / 'ckpt.pt')
+    assert 'is damaged: its record of its data' in fails_eval(f'--out_dir={tmp_path / "record"}')
+    folder = shared_folder()
+    try:
+        shutil.copy(checkpointed / 'ckpt.pt', folder / 'ckpt.pt')
+        os.chmod(folder / 'ckpt.pt', 0o600)
+        if os.geteuid() == 0:
+            result = as_spare_user(lambda: fails_eval('--mode=sample', f'--out_dir={folder}'))
+        else:
+            os.chmod(folder / 'ckpt.pt', 0)
+            result = 'returned', fails_eval('--mode=sample', f'--out_dir={folder}')
+        assert result == ('returned', f'error: cannot read {folder}/ckpt.pt: permission denied'), result
+    finally:
+        shutil.rmtree(folder)

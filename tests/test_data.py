@@ -325,6 +325,8 @@ def test_two_files_of_one_name_prepared_at_once_keep_their_own_data(tmp_path, ca
     capsys.readouterr()
     prep.main([str(files[1]), f'--data_dir={data}'])
     assert f'prepared {folders[1]}' in capsys.readouterr().err
+
+
 def test_a_damaged_split_is_noted_and_prepared_again_never_used(checkpointed, tmp_path, data_dir, monkeypatch, capsys):
     """A split overwritten with valid ids of the same size, or with ids past the vocabulary (0xFF),
     even with meta.json's digest made to match: the run notes it and prepares it again from its
@@ -334,7 +336,7 @@ def test_a_damaged_split_is_noted_and_prepared_again_never_used(checkpointed, tm
 
     def main(script, *argv):   # what it printed: (stdout, stderr)
         capsys.readouterr()
-        script.main([f'--out_dir={out}', *argv])
+        script.main([f'--out_dir={out}', f'--data_dir={data_dir}', *argv])
         return capsys.readouterr()
     good = main(ec, '--batch_size=1024')
     assert 'SHA-256' not in good.err, good.err[-2000:]
@@ -355,6 +357,7 @@ def test_a_damaged_split_is_noted_and_prepared_again_never_used(checkpointed, tm
     train.tofile(folder / 'train.bin')
     meta = json.loads((folder / 'meta.json').read_text())
     meta['sha256']['train'] = prep.hashlib.sha256(train).hexdigest()   # a digest that matches the damage
+    meta['self_sha256'] = prep.meta_digest(meta)   # and meta.json's own, made to match too
     (folder / 'meta.json').write_text(json.dumps(meta))
     result = main(tc, '--init_from=resume', '--max_iters=10')
     assert 'train.bin holds token id 255, past its 80-symbol vocabulary' in result.err, result.err[-2000:]
@@ -401,3 +404,24 @@ def test_a_dead_preparations_partial_files_are_removed_and_a_live_ones_kept(tmp_
     text_file(text, seed=2, size=2000)   # changed: the next use prepares the folder again
     prep.main([str(text), f'--data_dir={data}'])
     assert sorted(os.listdir(folder)) == sorted(kept + [link.name, 'meta.json', 'train.bin', 'val.bin', 'test.bin'])
+
+
+def test_a_damaged_meta_json_is_named_and_prepared_again(checkpointed, tmp_path, data_dir, capsys):
+    """One flipped bit in meta.json's vocabulary ('t' to 'u') fails its self_sha256: eval names
+    meta.json as damaged, prepares it again from its source and scores what it scored before;
+    nothing blames the text."""
+    out = copy_of(checkpointed, tmp_path)
+
+    def scores():   # (its JSON, its stderr)
+        capsys.readouterr()
+        ec.main([f'--out_dir={out}', f'--data_dir={data_dir}', '--batch_size=1024'])
+        printed, err = capsys.readouterr()
+        return json.loads(printed), err
+    good, _ = scores()
+    path = pathlib.Path(data_dir) / 'shakespeare' / 'meta.json'
+    meta = json.loads(path.read_text())
+    meta['vocab'][meta['vocab'].index(ord('t'))] ^= 1
+    path.write_text(json.dumps(meta))
+    again, err = scores()
+    assert again == good and f'note: {path} is damaged (it does not match its self_sha256)' in err, err[-2000:]
+    assert 'outside' not in err and json.loads(path.read_text())['vocab'] == dataset.load_dataset('shakespeare', str(data_dir))[1]

@@ -8,8 +8,10 @@ plots of several runs (written whole, never through a link), and its one-line re
 import contextlib
 import json
 import os
+import pathlib
 import resource
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -22,8 +24,8 @@ import data.prepare as prep
 import eval_char as ec
 import train_char as tc
 from run_folder import read_jsonl
-from common import (ENV, ROOT, TINY, cli, digest, fails, fails_eval, limit_memory, one_line_error,
-                    run, run_eval, stopped_during_start_up)
+from common import (ENV, ROOT, TINY, as_spare_user, cli, digest, fails, fails_eval, limit_memory,
+                    one_line_error, run, run_eval, shared_folder, stopped_during_start_up, text_file)
 
 
 def test_eval_help_prints_its_docstring_and_every_default(capsys):
@@ -49,13 +51,15 @@ def test_ctrl_c_during_start_up_is_one_line(trained, tmp_path):
 
 
 def test_eval_scores_every_token_once(trained, tmp_path, monkeypatch, capsys):
-    # a shorter Shakespeare keeps this fast; its vocabulary is a subset of the model's
+    # a shorter Shakespeare keeps this fast; its vocabulary is a subset of the model's; other data
+    # than the run's, so scored only when asked
     small = tmp_path / 'small.txt'
     small.write_bytes(open(prep.BUNDLED, 'rb').read()[:20000])
     monkeypatch.setattr(prep, 'BUNDLED', str(small))
     results = []
     for stride in (0, 5, 16):
-        run_eval('--mode=eval', f'--out_dir={trained}', f'--stride={stride}', f'--data_dir={tmp_path}', '--batch_size=64')
+        run_eval('--mode=eval', f'--out_dir={trained}', f'--stride={stride}', f'--data_dir={tmp_path}', '--batch_size=64',
+                 '--other_data=True')
         out, err = capsys.readouterr()
         results.append(json.loads(out))
         assert 'shakespeare has no test split' in err
@@ -236,13 +240,13 @@ def test_a_plot_is_written_whole_and_never_through_a_link(trained, tmp_path):
 def test_eval_runs_the_model_without_dropout(trained, tmp_path, monkeypatch, capsys):
     """eval scores the model in eval mode: with dropout set (--dropout and --attn_dropout 0.5), the
     result is the same on every run, and the same as without dropout."""
-    small = tmp_path / 'small.txt'   # a shorter Shakespeare keeps this fast
+    small = tmp_path / 'small.txt'   # a shorter Shakespeare keeps this fast (other data: a flag)
     small.write_bytes(open(prep.BUNDLED, 'rb').read()[:20000])
     monkeypatch.setattr(prep, 'BUNDLED', str(small))
     results = []
     for dropout in (0.5, 0.5, 0.0):
         run_eval('--mode=eval', f'--out_dir={trained}', f'--data_dir={tmp_path}', '--batch_size=64',
-                 f'--dropout={dropout}', f'--attn_dropout={dropout}')
+                 f'--dropout={dropout}', f'--attn_dropout={dropout}', '--other_data=True')
         results.append(json.loads(capsys.readouterr().out))
     assert results[0] == results[1] == results[2] and results[0]['val_tokens'] == 2000 - 1
 
@@ -252,10 +256,11 @@ def test_eval_refuses_a_split_too_short_for_one_window(trained, tmp_path, capsys
     refused in one line, not a traceback from the scoring; one of 17 is scored."""
     text = tmp_path / 'short.txt'
     text.write_bytes(b'abcd' * 80)   # 90 / 5 / 5 of 320: val and test 16 tokens each
-    message = fails_eval('--mode=eval', f'--out_dir={trained}', f'--dataset={text}', f'--data_dir={tmp_path}')
+    other = f'--dataset={text}', f'--data_dir={tmp_path}', '--other_data=True'   # not the run's data
+    message = fails_eval('--mode=eval', f'--out_dir={trained}', *other)
     assert message == f'error: the val split of {text} has 16 tokens, too few for block_size=16'
     text.write_bytes(b'abcd' * 85)   # of 340: 17 each
-    run_eval('--mode=eval', f'--out_dir={trained}', f'--dataset={text}', f'--data_dir={tmp_path}')
+    run_eval('--mode=eval', f'--out_dir={trained}', *other)
     result = json.loads(capsys.readouterr().out)
     assert result['val_tokens'] == result['test_tokens'] == 16
 
@@ -305,3 +310,79 @@ def test_a_dataset_too_big_for_memory_names_the_dataset_not_the_eval_settings(tm
                  script='eval_char.py', preexec_fn=limit_memory(3 * 10**9))
     one_line_error(result, f'out of memory preparing or loading the dataset {big} (')
     assert 'ulimit -v' in result.stderr and 'lower' not in result.stderr
+
+
+def test_eval_is_held_to_the_data_its_checkpoint_records(tmp_path, monkeypatch, capsys):
+    """A run on notes.txt, evaluated from another folder holding another notes.txt: one line that
+    they are not its data, and a score of them only with --other_data=True; from a folder without
+    one, the run's own file at its recorded path; the file appended to is noticed. A checkpoint of
+    an older version, which records no digests, is evaluated with a note."""
+    for folder, seed in (('a', 0), ('b', 5)):
+        text_file(tmp_path / folder / 'notes.txt', seed=seed, size=20_000)
+    (tmp_path / 'c').mkdir()
+    out, flags = f'--out_dir={tmp_path / "out"}', (f'--data_dir={tmp_path / "data"}', '--batch_size=64')
+    monkeypatch.chdir(tmp_path / 'a')
+    run(*TINY, '--dataset=notes.txt', out, *flags, '--max_iters=2', '--eval_interval=2')
+
+    def scores(*argv):   # (its JSON, its stderr)
+        capsys.readouterr()
+        run_eval(out, *flags, *argv)
+        printed, err = capsys.readouterr()
+        return json.loads(printed), err
+    good, _ = scores()
+    monkeypatch.chdir(tmp_path / 'b')
+    message = fails_eval(out, *flags)
+    assert message.startswith(f"error: notes.txt, prepared in {prep.text_file_dir('notes.txt', str(tmp_path / 'data'))}, "
+                              f"is not the data {tmp_path / 'out'}/ckpt.pt was trained on (notes.txt, "
+                              f"{tmp_path / 'a' / 'notes.txt'}): its test.bin, train.bin, val.bin differ"), message
+    other, err = scores('--other_data=True')
+    assert other['val_bpc'] != good['val_bpc'] and '--other_data=True: they are scored' in err
+    monkeypatch.chdir(tmp_path / 'c')
+    found, err = scores()
+    assert found == good | {'dataset': str(tmp_path / 'a' / 'notes.txt')}
+    assert f"note: the dataset notes.txt is not here: reading the run's {tmp_path / 'a' / 'notes.txt'}\n" in err
+    with open(tmp_path / 'a' / 'notes.txt', 'ab') as f:
+        f.write(b'abc ' * 100)
+    assert 'its test.bin, train.bin, val.bin differ' in fails_eval(out, *flags)
+    ckpt = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
+    torch.save({k: v for k, v in ckpt.items() if k != 'data'}, tmp_path / 'out' / 'ckpt.pt')
+    monkeypatch.chdir(tmp_path / 'a')   # the name as given is all it has
+    _, err = scores()
+    assert 'records no digests of its data (saved by an older version)' in err
+
+
+def test_a_checkpoint_never_decides_where_data_are_written(tmp_path, capsys):
+    """A checkpoint's saved data_dir is read from where it holds the checkpoint's data, never
+    prepared into: re-saved to name a shared folder, with its dataset a 0600 file, eval prepares in
+    the data_dir given, into a folder (and files) that only the file's owner may read: the spare
+    user, when the tests run as root, reads a 0644 file beside it but not the prepared split."""
+    folder = shared_folder()
+    try:
+        secret = text_file(folder / 'secret.txt', seed=3, size=20_000)
+        secret.chmod(0o600)
+        out = tmp_path / 'out'
+        run(*TINY, f'--dataset={secret}', f'--data_dir={folder / "mine"}', f'--out_dir={out}', '--max_iters=2',
+            '--eval_interval=2')
+        capsys.readouterr()
+        run_eval(f'--out_dir={out}', '--batch_size=64')   # its data_dir holds its data: nothing prepared
+        assert 'prepared' not in capsys.readouterr().err
+        shared = folder / 'shared'
+        shared.mkdir()
+        shared.chmod(0o777)
+        ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+        torch.save(ckpt | {'config': ckpt['config'] | {'data_dir': str(shared)}}, out / 'ckpt.pt')
+        run_eval(f'--out_dir={out}', f'--data_dir={folder / "user"}', '--batch_size=64')
+        prepared = pathlib.Path(prep.text_file_dir(str(secret), str(folder / 'user')))
+        assert os.listdir(shared) == [] and f'prepared {prepared}' in capsys.readouterr().err
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [prepared, *prepared.iterdir()]}
+        assert modes.keys() == {prepared.name, 'train.bin', 'val.bin', 'test.bin', 'meta.json'}
+        assert all(mode & 0o077 == 0 for mode in modes.values()), modes
+        public = folder / 'public.txt'
+        public.write_text('x')
+        public.chmod(0o644)
+        if os.geteuid() == 0:
+            assert as_spare_user(public.read_text) == ('returned', 'x')
+            kind, why = as_spare_user((prepared / 'train.bin').read_bytes)
+            assert kind == 'raised' and why.startswith('PermissionError'), why
+    finally:
+        shutil.rmtree(folder)

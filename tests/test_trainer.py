@@ -15,11 +15,13 @@ import io
 import json
 import math
 import os
+import pathlib
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -37,7 +39,7 @@ from run_folder import read_jsonl
 import shell
 from shell import DIVERGED, note_signals, raise_noted, signals_as_ctrl_c
 from common import (ENV, ROOT, TINY, cli, digest, fails, limit_memory, one_line_error, run, run_eval,
-                    stopped_during_start_up, wait_for)
+                    start, stopped_during_start_up, text_file, wait_for)
 
 
 def test_config_types_files_and_order(tmp_path):
@@ -679,3 +681,72 @@ def test_settings_are_checked_where_they_are_parsed(tmp_path, data_dir, capsys):
     assert 'learning_rate must be a finite number, not inf' in fails('--learning_rate=1e999')
     assert "end it in a format" in fails('--mode=plot', f'--out_dir={tmp_path}', '--plot_file=bpc', main=ec.main)
     assert not os.path.exists(tmp_path / 'never')
+
+
+def test_a_clock_that_steps_back_or_stands_still_changes_no_saved_number(tmp_path, data_dir, monkeypatch, capsys):
+    """Durations come from the monotonic clock: a wall clock stepping back an hour at every reading
+    changes nothing saved, and a monotonic clock that stands still (its resolution) ends no run in
+    a division by zero; its rates are 0."""
+    wall = iter(range(10**9, 0, -3600))
+    monkeypatch.setattr(tc, 'time', types.SimpleNamespace(time=lambda: next(wall), monotonic=lambda: 100.0))
+    out = tmp_path / 'out'
+    run(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=10', '--eval_interval=5')
+    printed = capsys.readouterr().out
+    assert '0.0 ms/iter, 0 tokens/s' in printed and 'done: iter 10, 0 s of training' in printed
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['elapsed'] == 0.0
+    assert [(e['time'], e['tokens_per_sec']) for e in read_jsonl(out / 'log.jsonl')] == [(0.0, 0.0)] * 3
+
+
+def test_a_resume_is_held_to_the_data_its_checkpoint_records(tmp_path, monkeypatch, capsys):
+    """A checkpoint records its dataset as given, the text file's absolute path and the digests of
+    the splits it trained on. A moved clone (another folder holding a copy of the file) and the
+    file moved elsewhere hold the same data and resume; a file appended to is other data: the
+    resume refuses in one line, and trains on it with --other_data=True, saying so."""
+    monkeypatch.chdir(tmp_path)
+    text_file(tmp_path / 'a' / 'notes.txt', seed=0, size=20_000)
+    common = [*TINY, '--eval_interval=2', f'--data_dir={tmp_path / "data"}', '--out_dir=../out']
+    monkeypatch.chdir(tmp_path / 'a')
+    run(*common, '--dataset=notes.txt', '--max_iters=2')
+    ckpt = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
+    meta = prep.prepare(str(tmp_path / 'a' / 'notes.txt'), str(tmp_path / 'data'))
+    assert (ckpt['data']['dataset'], ckpt['data']['path']) == ('notes.txt', str(tmp_path / 'a' / 'notes.txt'))
+    assert ckpt['data']['corpora'] == [dict(name='notes.txt', vocab=meta['vocab'], sha256=meta['sha256'],
+                                            meta_sha256=meta['self_sha256'])]
+    shutil.copytree(tmp_path / 'a', tmp_path / 'b')   # a moved clone: notes.txt, relative, is a copy
+    monkeypatch.chdir(tmp_path / 'b')
+    run(*common, '--init_from=resume', '--max_iters=4')
+    moved = tmp_path / 'elsewhere.txt'
+    shutil.move(tmp_path / 'a' / 'notes.txt', moved)
+    run(*common, '--init_from=resume', '--max_iters=6', f'--dataset={moved}')
+    with open(moved, 'ab') as f:   # the same characters, more of them: other splits
+        f.write(moved.read_bytes()[:1000])
+    before = digest(tmp_path / 'out' / 'ckpt.pt')
+    message = fails(*common, '--init_from=resume', '--max_iters=8', f'--dataset={moved}')
+    assert 'is not the data ../out/ckpt.pt was trained on (' in message and 'give --other_data=True' in message
+    assert digest(tmp_path / 'out' / 'ckpt.pt') == before
+    capsys.readouterr()
+    run(*common, '--init_from=resume', '--max_iters=8', f'--dataset={moved}', '--other_data=True')
+    assert '--other_data=True: they are trained on' in capsys.readouterr().err
+    ckpt = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 8 and ckpt['data']['path'] == str(moved)
+    assert ckpt['data']['corpora'][0]['sha256'] == prep.prepare(str(moved), str(tmp_path / 'data'))['sha256']
+
+
+def test_a_split_truncated_or_rewritten_under_a_running_run_changes_nothing(tmp_path):
+    """A run reads private copies of its splits: train.bin truncated, then rewritten with ids past
+    the vocabulary, while the run trains, neither ends it (through a memory map: SIGBUS, or an
+    IndexError)."""
+    text = text_file(tmp_path / 'notes.txt', seed=1, size=20_000)
+    data = tmp_path / 'data'
+    proc = start(*TINY, f'--dataset={text}', f'--data_dir={data}', f'--out_dir={tmp_path / "out"}',
+                 '--max_iters=120', '--eval_interval=60', '--log_interval=1')
+    wait_for(proc, 'iter 2:')
+    train = pathlib.Path(prep.text_file_dir(str(text), str(data))) / 'train.bin'
+    with open(train, 'r+b') as f:   # in place, as another process would
+        f.truncate(100)
+    wait_for(proc, 'iter 20:')
+    with open(train, 'r+b') as f:
+        f.truncate(0)
+        f.write(b'\xff' * 18_000)
+    printed = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0 and 'done: iter 120' in printed, printed[-2000:]
