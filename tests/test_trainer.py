@@ -170,6 +170,19 @@ def test_the_schedule_follows_max_iters_unless_set(tmp_path):
     assert (cfg['lr_decay_iters'], cfg['warmup_iters']) == (100, 1000)   # the config file's warm-up, set there
 
 
+def test_the_quick_start_config_is_a_short_run_of_a_smaller_model(capsys):
+    """config/quick.py, the README's first command: the bundled corpus, a smaller model than the
+    defaults' (fewer, narrower layers: the run is meant to take about a minute of one core), the
+    same 2000 iterations with the schedule following them, into its own out_dir."""
+    tc.main([os.path.join(ROOT, 'config', 'quick.py'), '--mode=config'])
+    cfg = json.loads(capsys.readouterr().out)
+    assert (cfg['dataset'], cfg['out_dir'], cfg['attn']) == ('shakespeare', 'out-quick', 'damcha')
+    assert (cfg['max_iters'], cfg['lr_decay_iters'], cfg['warmup_iters']) == (2000, 2000, 100)
+    assert (cfg['n_layer'], cfg['n_embd'], cfg['learning_rate']) == (2, 64, 4e-3)
+    assert cfg['n_layer'] * cfg['n_embd'] < tc.DEFAULTS['n_layer'] * tc.DEFAULTS['n_embd'] / 2
+    assert not cfg['compile'] and cfg['device'] == 'auto' and cfg['max_new_tokens'] == 500
+
+
 def test_a_closed_pipe_ends_quietly():
     """`python train_char.py --mode=config | head` and the like: a reader that goes away is not an
     error. No message, the status of a process ended by SIGPIPE (128 + 13). Here the reader is gone
