@@ -211,7 +211,7 @@ def test_two_runs_downloading_at_once_both_prepare_the_data(tmp_path, monkeypatc
         assert z.read('enwik8') == contents['enwik8']
 
 
-def test_offline_download_says_where_to_put_the_archive_and_leaves_no_empty_folder(tmp_path, monkeypatch):
+def test_offline_download_says_where_the_archive_goes_and_leaves_no_folder(tmp_path, monkeypatch):
     """Without a network: one line naming where the archive goes, and no empty data_dir/enwik8/
     (nor the data_dir the run made for it) left to look like data that are there; a folder that
     was there before stays."""
@@ -223,7 +223,8 @@ def test_offline_download_says_where_to_put_the_archive_and_leaves_no_empty_fold
     (tmp_path / 'data' / 'enwik8').mkdir(parents=True)
     assert 'could not download' in fails('--dataset=enwik8', f'--data_dir={tmp_path / "data"}',
                                          f'--out_dir={tmp_path / "out"}')
-    assert os.listdir(tmp_path / 'data') == ['enwik8'] and os.listdir(tmp_path / 'data' / 'enwik8') == []
+    assert os.listdir(tmp_path / 'data') == ['enwik8']
+    assert os.listdir(tmp_path / 'data' / 'enwik8') == []
 
 
 @pytest.mark.parametrize('cut', [ConnectionResetError('connection reset by peer'), KeyboardInterrupt()])

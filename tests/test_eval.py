@@ -40,9 +40,11 @@ def test_eval_help_names_the_checkpoints_settings_and_its_own_defaults(capsys):
         assert {'dataset', 'seed', 'n_layer', 'gen_out', 'vocab_size'} <= set(ec.FROM_CHECKPOINT)
         assert set(ec.FROM_CHECKPOINT) | set(ec.OWN) == set(ec.DEFAULTS)
         settings = out.removeprefix(ec.__doc__.strip())
-        assert 'n_layer=' not in settings and 'gen_out=' not in settings   # no default it never uses
-        for line, setting in zip(own[:-1] + saved, [f'{k}={ec.DEFAULTS[k]!r}' for k in ec.OWN] + ec.FROM_CHECKPOINT):
-            assert line.startswith(f'  {setting}  ') and len(line.removeprefix(f'  {setting}').split()) >= 2, line
+        assert 'n_layer=' not in settings and 'gen_out=' not in settings   # defaults never used
+        shown = [f'{k}={ec.DEFAULTS[k]!r}' for k in ec.OWN] + ec.FROM_CHECKPOINT
+        for line, setting in zip(own[:-1] + saved, shown):   # each with a description
+            assert line.startswith(f'  {setting}  '), line
+            assert len(line.removeprefix(f'  {setting}').split()) >= 2, line
 
 
 def test_eval_scores_every_token_once(trained, tmp_path, monkeypatch, capsys):
