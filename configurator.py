@@ -6,7 +6,8 @@ configure(defaults, sys.argv[1:]); each argument, in order, overrides what came 
     --key=value           a Python literal of the default's type (an int where a float is due)
     --flag                short for --flag=True, for settings whose default is a bool
     --help                the script's docstring, then every setting, its default and the comment
-                          beside that default in the script's source (describe)
+                          beside that default in the script's source (describe); the settings
+                          a checkpoint supplies are listed apart, without defaults
 Bad input ends the program with one line on stderr (shell.die), never a traceback; the settings of
 a run, given or saved in a checkpoint, are checked alike (settings_problem).
 """
@@ -21,25 +22,16 @@ from shell import die, not_a_file, pipe_closed
 
 
 def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=None,
-              described_in=None):
+              described_in=None, from_checkpoint=()):
     """defaults updated by each config file or --key=value of argv in order; choices: {key: allowed
     values}; positive / non_negative: keys whose numbers are checked; described_in: the source files
-    whose comments describe the settings for --help (default: the script). Returns
+    whose comments describe the settings for --help (default: the script); from_checkpoint: the
+    keys a checkpoint supplies unless given, whose defaults --help leaves out. Returns
     (config, keys given)."""
     config, given = dict(defaults), set()
     for arg in argv:
         if arg in ('-h', '--help'):
-            about = describe(described_in or [sys.argv[0]], defaults)
-            settings = {k: f'{k}={v!r}' for k, v in defaults.items()}
-            width = min(30, max(map(len, settings.values())))
-            try:
-                print((doc or '').strip() + '\n\nsettings, with their defaults (--key=value):\n'
-                      + '\n'.join(f'  {s:<{width}}  {about.get(k, "")}'.rstrip()
-                                  for k, s in settings.items()),
-                      flush=True)
-            except BrokenPipeError:   # --help | head
-                pipe_closed()
-            raise SystemExit(0)
+            print_help(doc, defaults, described_in or [sys.argv[0]], from_checkpoint)
         if arg.startswith('--'):
             key, eq, text = arg[2:].partition('=')
             if not eq and type(defaults.get(key)) is bool:
@@ -66,6 +58,27 @@ def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=No
     if wrong:
         die(wrong)
     return config, given
+
+
+def print_help(doc, defaults, described_in, from_checkpoint):
+    """--help: the script's docstring, then each setting with its default and description; the
+    settings a checkpoint supplies come last, without their defaults, which a run read from a
+    checkpoint never uses (a script's model defaults would mislead a reader of its help)."""
+    about = describe(described_in, defaults)
+    own = {k: f'{k}={v!r}' for k, v in defaults.items() if k not in from_checkpoint}
+    saved = {k: k for k in defaults if k in from_checkpoint}
+    width = min(30, max(map(len, [*own.values(), *saved.values()])))
+    lines = lambda settings: [f'  {s:<{width}}  {about.get(k, "")}'.rstrip()
+                              for k, s in settings.items()]
+    text = [(doc or '').strip(), '', 'settings, with their defaults (--key=value):', *lines(own)]
+    if saved:
+        text += ["settings the checkpoint supplies, its run's data and model, unless given "
+                 "(--key=value):", *lines(saved)]
+    try:
+        print('\n'.join(text), flush=True)
+    except BrokenPipeError:   # --help | head
+        pipe_closed()
+    raise SystemExit(0)
 
 
 def problem(config, choices=None, positive=(), non_negative=()):

@@ -76,6 +76,9 @@ DEFAULTS = dict(
 # every GPTConfig field is a setting too (they come from the checkpoint unless given)
 DEFAULTS.update({f.name: f.default for f in dataclasses.fields(GPTConfig)})
 SAMPLING = ('start', 'num_samples', 'max_new_tokens', 'temperature', 'top_k')
+# this script's own settings; every other one is the checkpoint's unless given
+OWN = ('mode', 'out_dir', 'data_dir', 'other_data', 'compile', 'stride', *SAMPLING, 'plot_file')
+FROM_CHECKPOINT = [k for k in DEFAULTS if k not in OWN]
 CHOICES = dict(mode=('eval', 'sample', 'plot'), dtype=('auto', 'float32', 'bfloat16', 'float16'))
 POSITIVE = ('batch_size', 'num_samples', 'temperature', 'block_size')
 NON_NEGATIVE = ('stride', 'max_new_tokens', 'top_k', 'vocab_size')
@@ -85,8 +88,7 @@ LN2 = math.log(2)
 
 def load_for_inference(cfg, given, attentions):
     """(checkpoint, settings, model in eval mode on its device, device, autocast context)."""
-    cfg, model_args, ckpt = checkpoint.resume(cfg, given, RANGES, attentions,
-                                              keep=(*checkpoint.KEEP, 'compile', *SAMPLING))
+    cfg, model_args, ckpt = checkpoint.resume(cfg, given, RANGES, attentions, keep=OWN)
     device, _, ctx = devices.setup(cfg['device'], cfg['dtype'], model_args['kernel'])
     model = GPT(checkpoint.model_config(model_args),
                 checkpoint.attention_class(model_args['attn'], attentions))
@@ -218,7 +220,8 @@ def main(argv, attentions=None):
     takes as its `attention` (the lab's, lab/eval.py)."""
     with one_line_errors('batch_size (eval) or block_size'), signals_as_ctrl_c():
         cfg, given = configure(DEFAULTS, argv, *RANGES, doc=__doc__,
-                               described_in=(__file__, inspect.getfile(GPTConfig)))
+                               described_in=(__file__, inspect.getfile(GPTConfig)),
+                               from_checkpoint=FROM_CHECKPOINT)
         check_run_settings(cfg, RANGES)
         dict(eval=evaluate, sample=sample, plot=plot)[cfg['mode']](cfg, given, attentions or {})
 

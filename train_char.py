@@ -120,6 +120,8 @@ POSITIVE = ('batch_size', 'gradient_accumulation_steps', 'eval_interval', 'eval_
 NON_NEGATIVE = ('warmup_iters', 'lr_decay_iters', 'min_lr', 'weight_decay', 'grad_clip',
                 'max_new_tokens', 'top_k', 'vocab_size')
 RANGES = (CHOICES, POSITIVE, NON_NEGATIVE)
+# the settings of the learning-rate schedule; after decay_lr, in the order get_lr takes them
+SCHEDULE = ('decay_lr', 'learning_rate', 'warmup_iters', 'lr_decay_iters', 'min_lr')
 LN2 = math.log(2)
 
 
@@ -223,6 +225,22 @@ def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
+def say_if_the_schedule_changed(cfg, ckpt):
+    """One line when a resume's schedule settings are not its checkpoint's (a longer
+    lr_decay_iters, to train on): the rate then changes at once, and where it jumps back up the val
+    loss can worsen before it improves, which the user should not take for a fault."""
+    saved = {k: ckpt['config'].get(k, cfg[k]) for k in SCHEDULE}
+    changed = [f"{k} {saved[k]!r} -> {cfg[k]!r}" for k in SCHEDULE if saved[k] != cfg[k]]
+    if changed:
+        it = ckpt['iter_num']
+        was, now = (get_lr(it, *(s[k] for k in SCHEDULE[1:])) if s['decay_lr']
+                    else s['learning_rate'] for s in (saved, cfg))
+        print(f"note: the schedule is not the checkpoint's ({', '.join(changed)}): the rate at "
+              f"iter {it} is {now:.2e}, where the checkpoint's schedule has {was:.2e}"
+              + ("; the val loss may worsen before it improves" if now > was else ''),
+              file=sys.stderr)
+
+
 @torch.no_grad()
 def estimate_loss(model, corpora, cfg, device, ctx):
     """Mean loss over eval_iters batches per split and corpus: the same batches at every evaluation
@@ -309,6 +327,7 @@ def train(cfg, given, run, attentions):
     if master:
         if ckpt is not None:
             print(f"resuming from {run.ckpt_path} at iter {ckpt['iter_num']}")
+            say_if_the_schedule_changed(cfg, ckpt)
         print(''.join(f"data: {c.name} prepared in {c.dir}\n" for c in corpora) + 'config:\n'
               + textwrap.indent(textwrap.fill(' '.join(f'{k}={v!r}' for k, v in cfg.items()), 100,
                                               break_long_words=False), '  '))
@@ -515,7 +534,10 @@ def rng_states(ddp):
 
 
 def sample(model, prompt, vocab, cfg, device, ctx):
-    """num_samples samples from the trained model, generated together."""
+    """num_samples samples from the trained model, generated together, after a line that says
+    so: generating them can take as long as many iterations, with nothing else printed."""
+    print(f"sampling {cfg['num_samples']} x {cfg['max_new_tokens']} characters on {device}",
+          file=sys.stderr)
     model.eval()
     torch.manual_seed(cfg['seed'])
     with ctx:

@@ -29,6 +29,7 @@ its source, with a note.
 Without a network, put enwik8.zip or text8.zip (from mattmahoney.net/dc/) in data/enwik8/ or
 data/text8/.
 """
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -228,9 +229,9 @@ def prepare_download(name, data_dir, again=False, only_read=False):
     meta = None if again else read_meta(folder, digest)
     if meta is not None or only_read:
         return meta
-    os.makedirs(folder, exist_ok=True)
     archive = os.path.join(folder, name + '.zip')
-    data = fetch(name, archive)
+    with removed_if_left_empty(folder):
+        data = fetch(name, archive)
     vocab = source['vocab']
     lookup = np.full(256, 255, dtype=np.uint8)
     lookup[vocab] = np.arange(len(vocab), dtype=np.uint8)
@@ -238,6 +239,26 @@ def prepare_download(name, data_dir, again=False, only_read=False):
     if len(vocab) < 256 and (ids == 255).any():
         die(f"{archive}: {name} holds bytes outside its {len(vocab)}-symbol vocabulary")
     return write_splits(folder, digest, lambda: (ids, vocab, (90, 5, 5), source['url']), again)
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(folder):
+    """folder, made with its missing parents; those this process made are removed again if it
+    leaves them empty (a download that failed or was stopped), so that no empty dataset folder
+    looks like data that are there."""
+    made, path = [], os.path.abspath(folder)
+    while not os.path.isdir(path):
+        made.append(path)
+        path = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    try:
+        yield
+    finally:
+        for path in made:   # deepest first; one that holds anything stays, and its parents
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
 
 
 def prepare_text(path, folder, percents, again=False, only_read=False):

@@ -202,7 +202,7 @@ def test_download_is_verified_renamed_and_not_repeated(tmp_path, monkeypatch, se
     # --max_iters=1: a check that let the archive through would fail fast, not train a whole run
     message = fails('--dataset=text8', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}', '--max_iters=1')
     assert 'failed verification' in message and 'sha1' in message
-    assert os.listdir(tmp_path / 'data' / 'text8') == []   # neither the archive nor a partial one
+    assert not (tmp_path / 'data' / 'text8').exists()   # no archive, partial one or empty folder
 
 
 def test_two_runs_downloading_at_once_both_prepare_the_data(tmp_path, monkeypatch, server):
@@ -230,11 +230,20 @@ def test_two_runs_downloading_at_once_both_prepare_the_data(tmp_path, monkeypatc
         assert z.read('enwik8') == contents['enwik8']
 
 
-def test_offline_download_says_where_to_put_the_archive(tmp_path, monkeypatch):
+def test_offline_download_says_where_the_archive_goes_and_leaves_no_folder(tmp_path, monkeypatch):
+    """Without a network: one line naming where the archive goes, and no empty data_dir/enwik8/
+    (nor the data_dir the run made for it) left to look like data that are there; a folder that
+    was there before stays."""
     make_corpora(str(tmp_path / 'zips'), monkeypatch)   # URLs point at a closed port
     message = fails('--dataset=mix', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}')
     assert 'could not download http://127.0.0.1:9/' in message
     assert f"put it at {tmp_path / 'data' / 'enwik8' / 'enwik8.zip'}" in message
+    assert not (tmp_path / 'data').exists()
+    (tmp_path / 'data' / 'enwik8').mkdir(parents=True)
+    assert 'could not download' in fails('--dataset=enwik8', f'--data_dir={tmp_path / "data"}',
+                                         f'--out_dir={tmp_path / "out"}')
+    assert os.listdir(tmp_path / 'data') == ['enwik8']
+    assert os.listdir(tmp_path / 'data' / 'enwik8') == []
 
 
 @pytest.mark.parametrize('cut', [ConnectionResetError('connection reset by peer'), KeyboardInterrupt()])
@@ -258,7 +267,7 @@ def test_a_dropped_download_leaves_nothing_behind(tmp_path, monkeypatch, cut):
     else:
         message = fails(*argv)
         assert 'could not download' in message and 'connection reset by peer' in message
-    assert os.listdir(tmp_path / 'data' / 'enwik8') == []
+    assert not (tmp_path / 'data').exists()
 
 
 def test_a_full_disk_during_a_download_says_so(tmp_path, monkeypatch):
@@ -281,7 +290,7 @@ def test_a_full_disk_during_a_download_says_so(tmp_path, monkeypatch):
     message = fails('--dataset=enwik8', f'--data_dir={tmp_path / "data"}', f'--out_dir={tmp_path / "out"}')
     assert message.startswith(f"error: no space left on the device for {tmp_path / 'data' / 'enwik8' / 'enwik8.zip'}")
     assert 'by hand' not in message
-    assert os.listdir(tmp_path / 'data' / 'enwik8') == []
+    assert not (tmp_path / 'data').exists()
 
 
 def test_wrong_archive_is_reported_and_kept(corpora, monkeypatch):

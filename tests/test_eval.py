@@ -28,19 +28,28 @@ from common import (ENV, ROOT, TINY, as_spare_user, cli, digest, fails, fails_ev
                     one_line_error, run, run_eval, shared_folder, stopped_during_start_up, text_file)
 
 
-def test_eval_help_prints_its_docstring_and_every_default(capsys):
-    """eval_char.py -h and --help: its own docstring, then each of its settings with its default
-    (not a value given before the flag), and exit status 0."""
+def test_eval_help_names_the_checkpoints_settings_and_its_own_defaults(capsys):
+    """eval_char.py -h and --help: its own docstring, then each of its own settings with its default
+    (not a value given before the flag), then the settings a checkpoint supplies (the data's and
+    the model's, every GPTConfig field), without the defaults a run read from a checkpoint never
+    uses; each with a description, and exit status 0."""
     for flag in ('-h', '--help'):
         with pytest.raises(SystemExit) as e:
             ec.main(['--stride=3', flag])
         assert e.value.code == 0
         out = capsys.readouterr().out
         assert out.startswith(ec.__doc__.strip())
-        lines = out.split('--key=value):\n')[1].splitlines()
-        assert [line.split()[0] for line in lines] == [f'{k}={v!r}' for k, v in ec.DEFAULTS.items()]
-        for line, (k, v) in zip(lines, ec.DEFAULTS.items()):   # each with a description
-            assert line.startswith(f'  {k}={v!r}  ') and len(line.removeprefix(f'  {k}={v!r}').split()) >= 2, line
+        own, saved = (part.splitlines() for part in out.split('--key=value):\n')[1:])
+        assert [line.split()[0] for line in own[:-1]] == [f'{k}={ec.DEFAULTS[k]!r}' for k in ec.OWN]
+        assert [line.split()[0] for line in saved] == ec.FROM_CHECKPOINT
+        assert {'dataset', 'seed', 'n_layer', 'gen_out', 'vocab_size'} <= set(ec.FROM_CHECKPOINT)
+        assert set(ec.FROM_CHECKPOINT) | set(ec.OWN) == set(ec.DEFAULTS)
+        settings = out.removeprefix(ec.__doc__.strip())
+        assert 'n_layer=' not in settings and 'gen_out=' not in settings   # defaults never used
+        shown = [f'{k}={ec.DEFAULTS[k]!r}' for k in ec.OWN] + ec.FROM_CHECKPOINT
+        for line, setting in zip(own[:-1] + saved, shown):   # each with a description
+            assert line.startswith(f'  {setting}  '), line
+            assert len(line.removeprefix(f'  {setting}').split()) >= 2, line
 
 
 def test_ctrl_c_during_start_up_is_one_line(trained, tmp_path):

@@ -175,6 +175,19 @@ def test_the_schedule_follows_max_iters_unless_set(tmp_path):
     assert (cfg['lr_decay_iters'], cfg['warmup_iters']) == (100, 1000)   # the config file's warm-up, set there
 
 
+def test_the_quick_start_config_is_a_short_run_of_a_smaller_model(capsys):
+    """config/quick.py, the README's first command: the bundled corpus, a smaller model than the
+    defaults' (fewer, narrower layers: the run is meant to take about a minute of one core), the
+    same 2000 iterations with the schedule following them, into its own out_dir."""
+    tc.main([os.path.join(ROOT, 'config', 'quick.py'), '--mode=config'])
+    cfg = json.loads(capsys.readouterr().out)
+    assert (cfg['dataset'], cfg['out_dir'], cfg['attn']) == ('shakespeare', 'out-quick', 'damcha')
+    assert (cfg['max_iters'], cfg['lr_decay_iters'], cfg['warmup_iters']) == (2000, 2000, 100)
+    assert (cfg['n_layer'], cfg['n_embd'], cfg['learning_rate']) == (2, 64, 4e-3)
+    assert cfg['n_layer'] * cfg['n_embd'] < tc.DEFAULTS['n_layer'] * tc.DEFAULTS['n_embd'] / 2
+    assert not cfg['compile'] and cfg['device'] == 'auto' and cfg['max_new_tokens'] == 500
+
+
 def test_a_closed_pipe_ends_quietly():
     """`python train_char.py --mode=config | head` and the like: a reader that goes away is not an
     error. No message, the status of a process ended by SIGPIPE (128 + 13). Here the reader is gone
@@ -190,23 +203,37 @@ def test_a_closed_pipe_ends_quietly():
 
 
 def test_a_run_says_where_it_resumes_and_where_its_data_are(tmp_path, capsys):
-    """A run prints where its dataset was prepared (a text file: <data_dir>/<its stem>-<digest>/); a resumed
-    run prints the checkpoint and iteration it starts from, and says in one line when its
-    checkpoint's lr_decay_iters is no longer max_iters."""
+    """A run prints where its dataset was prepared (a text file: <data_dir>/<its stem>-<digest>/), and
+    a line before it generates the sample after training; a resumed run prints the checkpoint and
+    iteration it starts from, says in one line when its checkpoint's lr_decay_iters is no longer
+    max_iters, and in another when it changes the checkpoint's schedule (the rate jumps), but not
+    when it keeps it."""
     text = tmp_path / 'notes.txt'
     text.write_bytes(b'hello world, ' * 300)
     out = tmp_path / 'out'
-    run(*TINY, f'--dataset={text}', f'--data_dir={tmp_path / "data"}', f'--out_dir={out}', '--max_iters=4',
-        '--eval_interval=2')
-    printed, err = capsys.readouterr()
+    both = io.StringIO()   # stdout and stderr in the order printed
+    with contextlib.redirect_stdout(both), contextlib.redirect_stderr(both):
+        run(*TINY, f'--dataset={text}', f'--data_dir={tmp_path / "data"}', f'--out_dir={out}', '--max_iters=4',
+            '--eval_interval=2')
+    printed = both.getvalue()
     where = prep.text_file_dir(str(text), str(tmp_path / 'data'))
     assert re.fullmatch(r'notes-[0-9a-f]{8}', os.path.basename(where)) and os.path.dirname(where) == str(tmp_path / 'data')
     assert f"data: {text} prepared in {where}\n" in printed and 'resuming' not in printed
-    assert 'lr_decay_iters' not in err   # it followed max_iters
+    assert 'note: lr_decay_iters' not in printed   # it followed max_iters
+    assert printed.index("done: iter 4") < printed.index("sampling 1 x 20 characters on cpu\n") < printed.index(
+        "sample:\n")
     run(f'--out_dir={out}', '--init_from=resume', '--max_iters=6')
     printed, err = capsys.readouterr()
     assert printed.startswith(f"resuming from {out / 'ckpt.pt'} at iter 4\n")
     assert "note: lr_decay_iters=4 is not max_iters=6" in err   # the checkpoint's schedule, kept
+    assert 'schedule' not in err
+    run(f'--out_dir={out}', '--init_from=resume', '--max_iters=10', '--lr_decay_iters=10')
+    notes = [line for line in capsys.readouterr().err.splitlines() if 'schedule' in line]
+    rates = [e['lr'] for e in read_jsonl(out / 'train_log.jsonl')]
+    assert rates[6] > rates[5] and notes == [
+        f"note: the schedule is not the checkpoint's (lr_decay_iters 4 -> 10): the rate at iter 6 is "
+        f"{rates[6]:.2e}, where the checkpoint's schedule has {rates[5]:.2e}; the val loss may worsen "
+        "before it improves"]
 
 
 def test_auto_precision_is_float32_off_cuda():
