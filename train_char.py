@@ -1,7 +1,8 @@
 r"""
 train_char.py: train character-level DAMCHA and MHA GPTs, as nanoGPT's train.py trains GPT-2.
 
-    python train_char.py                                    # small DAMCHA on Shakespeare
+    python train_char.py config/quick.py                    # a minute's DAMCHA on Shakespeare
+    python train_char.py                                    # the study's small DAMCHA on it
     python train_char.py config/enwik8.py config/damcha.py  # one GPU: a dataset, then a model file
     python train_char.py --dataset=notes.txt --attn=mha --out_dir=out-notes   # any text file
     python train_char.py --init_from=resume --out_dir=out-shakespeare --max_iters=3000
