@@ -6,6 +6,7 @@ fit them; load_data() loads the data it records and holds it to them; load_weigh
 put the weights, optimizer, loss scaler and random generators back. Each refusal is one line
 (shell.die). run_folder.py writes checkpoints.
 """
+import dataclasses
 import errno
 import math
 import os
@@ -18,7 +19,7 @@ import torch
 from configurator import settings_problem
 from damcha_torch import GPT, GPTConfig
 from data import dataset
-from shell import die
+from shell import die, not_a_file
 
 # never taken from a checkpoint: where a resume writes and what it is asked to do now (a saved
 # data_dir is only read from: load_data)
@@ -29,7 +30,8 @@ def load_checkpoint(out_dir):
     """out_dir/ckpt.pt, checked: its archive, its contents (check_contents)."""
     path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.isfile(path):
-        die(f"no checkpoint at {path}")
+        kind = not_a_file(path)
+        die(f"{path} is {kind}, not a checkpoint" if kind else f"no checkpoint at {path}")
     if os.path.getsize(path) == 0:
         die(f"{path} is empty (0 bytes), not a checkpoint")
     try:   # before anything else, which would call an unreadable file damaged
@@ -219,6 +221,9 @@ def check_contents(ckpt, path):
                           for k in ('model', 'model_args', 'config', 'optimizer')):
         die(f"{path} is not a checkpoint of train_char.py "
             f"(it lacks {', '.join(missing) or 'the right types'})")
+    lacking = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in ckpt['model_args']]
+    if lacking:
+        die(f"{path} is damaged: its model_args lack {', '.join(lacking)}")
     elapsed = ckpt['elapsed']
     if type(elapsed) in (int, float) and -math.inf < elapsed < 0:
         # an older version timed runs by the wall clock, which an NTP correction can step back
@@ -312,3 +317,7 @@ def check_optimizer_state(optimizer):
     if wrong:
         die(f"the checkpoint is damaged: its optimizer state has a moment of shape {wrong[0][0]} "
             f"for a {wrong[0][1]} weight")
+    steps = [float(s['step']) for s in optimizer.state.values() if 'step' in s]
+    if not all(math.isfinite(n) and n >= 1 for n in steps):   # Adam divides by 1 - beta^step
+        die("the checkpoint is damaged: its optimizer state has a step count below 1 (Adam's "
+            "steps taken, which a saved state has at least one of)")

@@ -190,7 +190,7 @@ def plot(cfg, given, attentions):
         die(f"plot_file={cfg['plot_file']!r}: end it in a format matplotlib writes: "
             + ', '.join('.' + f for f in sorted(formats)))
     plt.close()
-    dirs = [d for d in cfg['out_dir'].split(',') if d.strip()]
+    dirs = [d.strip() for d in cfg['out_dir'].split(',') if d.strip()]
     fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for d in dirs:
         log = read_jsonl(os.path.join(d, 'log.jsonl'))

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
-from shell import DIVERGED, die, exit_status, why
+from shell import DIVERGED, die, exit_status, not_a_file, why
 
 # atomic_write's partial files, <file>.damcha-partial-<pid>-<random>.tmp (older versions: without
 # -<random>): the only files the project removes, and only a dead process's
@@ -63,9 +63,10 @@ class RunFolder:
         to start afresh is the user's choice. A ckpt.pt that no resume could read is named as what
         it is."""
         empty = os.path.isfile(self.ckpt_path) and not os.path.getsize(self.ckpt_path)
-        if os.path.isdir(self.ckpt_path) or empty:
-            die(f"{self.ckpt_path} is {'an empty file' if empty else 'a directory'}, not a "
-                f"checkpoint, and a new run would replace it; {self.afresh()}")
+        kind = 'an empty file' if empty else not_a_file(self.ckpt_path)
+        if kind:
+            die(f"{self.ckpt_path} is {kind}, not a checkpoint, and a new run would replace it; "
+                f"{self.afresh()}")
         if os.path.exists(self.ckpt_path):
             die(f"{self.ckpt_path} exists: continue it with --init_from=resume: "
                 f"{self.resume_command()}; or, {self.afresh()}")
@@ -115,7 +116,7 @@ class RunFolder:
         if self.lock_file is not None:
             return
         if os.path.exists(self.dir) and not os.path.isdir(self.dir):
-            die(f"out_dir {self.dir} is a file, not a folder")
+            die(f"out_dir {self.dir} is {not_a_file(self.dir) or 'a file'}, not a folder")
         make_folder(self.dir, 'out_dir')
         # surrogateescape: the command's bytes as typed, also those that are not UTF-8
         # (a prompt, a path)
@@ -133,7 +134,7 @@ class RunFolder:
         f.flush()
         self.lock_file = f
         for name in OWN_FILES:   # refused now, not at the first save after minutes of training
-            refuse_link(self.path(name))
+            refuse_odd(self.path(name))
         remove_partials(self.dir)
 
     def unlock(self):
@@ -163,7 +164,11 @@ class RunFolder:
             entries = read_jsonl(path) if resumed and os.path.isfile(path) else []
             if not all(isinstance(e.get('iter'), int) for e in entries):
                 die(f"{path} has an entry without an iteration number: not a log of train_char.py")
-            write_text(path, ''.join(to_json(e) + '\n' for e in entries if keep(e['iter'])))
+            kept = [e for e in entries if keep(e['iter'])]
+            if len(kept) < len(entries):   # the part redone, or a checkpoint older than the logs
+                print(f"note: {path}: {len(entries) - len(kept)} line(s) after the checkpoint's "
+                      f"iter {k} dropped, to be trained again", file=sys.stderr)
+            write_text(path, ''.join(to_json(e) + '\n' for e in kept))
 
     def log(self, name, entries):
         """Append entries to the log `name` (log.jsonl, train_log.jsonl), a JSON object a line."""
@@ -251,15 +256,23 @@ def write_text(path, text):
 
 def open_own(path, flags):
     """The descriptor of a file the project creates, truncates or appends to (os.open's flags),
-    never opened through a symbolic link: someone sharing the folder may have put one there so
-    that this process overwrites a file of their choosing, another user's say."""
+    never opened through a symbolic link, nor a hard link: someone sharing the folder may have put
+    one there so that this process overwrites a file of their choosing, another user's say. A FIFO,
+    device or socket there is refused too, without blocking on it (O_NONBLOCK)."""
     try:
         # mode 0o666 & ~umask, as open() gives
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
     except OSError as e:
         if e.errno == errno.ELOOP:   # O_NOFOLLOW's answer to a link
             refuse_link(path)
+        if e.errno == errno.ENXIO:   # a FIFO opened to write, without a reader
+            refuse_odd(path)
         raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        refuse_odd(path)
+    return fd
 
 
 def refuse_link(path):
@@ -268,17 +281,23 @@ def refuse_link(path):
         die(f"{path} is a symbolic link: refusing to write through it; remove it")
 
 
+def refuse_odd(path):
+    """Anything but a regular file of one name where the project writes one (a link, a directory,
+    a FIFO, a device or socket, a file with other hard links): one line naming it; it stays."""
+    refuse_link(path)
+    kind = not_a_file(path)
+    if kind:
+        die(f"{path} is {kind}, not a file this run may write: remove it")
+    links = os.stat(path).st_nlink if os.path.exists(path) else 1
+    if links > 1:
+        die(f"{path} has {links - 1} other hard link(s): a write here would change the file they "
+            "name too; refusing to write through it; remove it")
+
+
 def open_lock(path, **kwargs):
     """A lock file (train.lock, the lab's claim.lock) to read and write, not truncated, for an
-    flock. Not a link (open_own), nor a FIFO, device or socket, which are refused in one line:
-    opened without blocking, so that a FIFO cannot hang the run."""
-    fd = open_own(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK)
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        die(f"{path} is {'a FIFO (named pipe)' if stat.S_ISFIFO(mode) else 'a device or socket'}, "
-            "not a regular file: a lock must be one; remove it")
-    return os.fdopen(fd, 'r+', **kwargs)
+    flock; open_own refuses a link, a FIFO (without hanging on it), a device or socket."""
+    return os.fdopen(open_own(path, os.O_RDWR | os.O_CREAT), 'r+', **kwargs)
 
 
 def make_folder(path, what):

@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from data.prepare import HERE, SOURCES, corpus_names, prepare
+from data.prepare import HERE, SOURCES, corpus_names, prepare, refuse_no_file
 from shell import die
 
 
@@ -96,8 +96,10 @@ def found(name, folder, record, data_dir):
 def read_splits(meta):
     """(splits, damage): a prepared folder's splits read into memory, and what is wrong with them
     against meta.json ('' if nothing)."""
-    splits = {s: np.fromfile(os.path.join(meta['dir'], f'{s}.bin'), dtype=np.uint8)
-              for s in meta['splits']}
+    paths = {s: os.path.join(meta['dir'], f'{s}.bin') for s in meta['splits']}
+    for path in paths.values():
+        refuse_no_file(path)
+    splits = {s: np.fromfile(path, dtype=np.uint8) for s, path in paths.items()}
     damage = '; '.join(f'{s}.bin {why}' for s, ids in splits.items()
                        if (why := split_damage(ids, meta['sha256'][s], len(meta['vocab']))))
     return splits, damage

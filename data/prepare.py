@@ -78,11 +78,20 @@ def meta_digest(meta):
                           ).hexdigest()
 
 
+def refuse_no_file(path):
+    """A prepared dataset's file (meta.json, a split) that is a directory, a FIFO, a device or
+    socket: one line naming it, never read (a FIFO would block) nor replaced."""
+    kind = not_a_file(path)
+    if kind:
+        die(f"{path} is {kind}, not a file of a prepared dataset: remove it")
+
+
 def read_meta(folder, digest, say=True):
     """meta.json of a dataset folder completely prepared from the source with this digest, else
     None (the folder is then prepared again). A meta.json that does not parse or fails its
     self_sha256 is said (say) to be damaged, never taken for a changed source."""
     path = os.path.join(folder, 'meta.json')
+    refuse_no_file(path)
     try:
         with open(path, 'rb') as f:
             meta = json.loads(f.read())

@@ -499,8 +499,6 @@ def model_rows(fields, B, peak_flops, budget, gen_out="full", profile=False):
             emit(**row, error=failure(e))
 
 
-
-
 def train_step(variant, B, mode):
     """train_char.py's training step for GPT(variant), compiled in torch.compile's `mode`: rows
     from its get_batch (one corpus of random tokens), the forward and backward under bf16

@@ -219,8 +219,6 @@ def shared_folder():
     return pathlib.Path(folder)
 
 
-
-
 def rel_err(a, b):
     """max |a - b| / max |b|, in float64, of two tensors (any dtype, any device) or arrays."""
     a, b = (t.detach().double() if torch.is_tensor(t) else torch.tensor(np.asarray(t, dtype=np.float64))

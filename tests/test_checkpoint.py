@@ -84,18 +84,25 @@ def test_a_damaged_checkpoint_is_refused_and_left_as_it_is(checkpointed, tmp_pat
         assert 'fails its CRC-32 check' in fails(f'--out_dir={out}', '--init_from=resume', '--max_iters=12')
         assert 'ckpt.pt exists: continue it with --init_from=resume' in fails(*TINY, f'--out_dir={out}')
         assert digest(out / 'ckpt.pt') == before
+
+
 def test_a_damaged_optimizer_or_saved_number_is_called_damaged_not_divergence(checkpointed, tmp_path):
     """A negative Adam exp_avg_sq (which would make the loss nan, read as a diverged run), a moment
-    of the wrong shape (a traceback at the first step), an infinite elapsed time: one line that
+    of the wrong shape or a step count below 1 (a traceback at the first step), model_args without
+    a model field, an infinite elapsed time: one line that
     says the checkpoint is damaged, exit status 1 (not the divergence's 3), the file untouched.
     A min_lr above learning_rate is refused; what eval_char.py writes is JSON without NaN."""
     ckpt = torch.load(checkpointed / 'ckpt.pt', weights_only=True)
     state = {k: dict(s) for k, s in ckpt['optimizer']['state'].items()}
-    negative, shape = ({k: dict(s) for k, s in state.items()} for _ in range(2))
+    negative, shape, step = ({k: dict(s) for k, s in state.items()} for _ in range(3))
     negative[0]['exp_avg_sq'] = -negative[0]['exp_avg_sq'] - 1
     shape[0]['exp_avg'] = shape[0]['exp_avg'][:2]
+    step[0]['step'] = torch.tensor(-1.0)   # Adam would divide by zero at 0, go wrong below
     cases = dict(negative=(dict(ckpt, optimizer=dict(ckpt['optimizer'], state=negative)), 'negative exp_avg_sq'),
                  shape=(dict(ckpt, optimizer=dict(ckpt['optimizer'], state=shape)), 'its optimizer state has a moment'),
+                 step=(dict(ckpt, optimizer=dict(ckpt['optimizer'], state=step)), 'a step count below 1'),
+                 fields=(dict(ckpt, model_args={k: v for k, v in ckpt['model_args'].items() if k != 'attn'}),
+                         'its model_args lack attn'),
                  elapsed=(dict(ckpt, elapsed=float('inf')), 'elapsed should be numbers of at least 0, and finite'))
     for name, (bad, words) in cases.items():
         (tmp_path / name).mkdir()
@@ -111,6 +118,8 @@ def test_a_damaged_optimizer_or_saved_number_is_called_damaged_not_divergence(ch
     torch.save(dict(ckpt, model=overflow), tmp_path / 'overflow' / 'ckpt.pt')
     last = fails(f'--out_dir={tmp_path / "overflow"}', main=ec.main)
     assert 'the val loss of shakespeare is ' in last and last.endswith(": the model's outputs are not finite numbers"), last
+
+
 def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, data_dir):
     """A checkpoint that loads but holds a wrong-typed or negative count, a non-finite weight or optimizer
     moment (bytes overwritten inside a tensor), a weight too few or too many, a vocabulary that is

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import pathlib
+import stat
 import subprocess
 import sys
 import zipfile
@@ -434,3 +435,15 @@ def test_a_damaged_meta_json_is_named_and_prepared_again(checkpointed, tmp_path,
     again, err = scores()
     assert again == good and f'note: {path} is damaged (it does not match its self_sha256)' in err, err[-2000:]
     assert 'outside' not in err and json.loads(path.read_text())['vocab'] == dataset.load_dataset('shakespeare', str(data_dir))[1]
+
+
+def test_a_fifo_as_meta_json_is_named_without_hanging(tmp_path):
+    """A FIFO where a prepared folder's meta.json belongs is named in one line, never opened
+    (reading it would wait for a writer forever) nor replaced."""
+    text, data = text_file(tmp_path / 'notes.txt', seed=1, size=2000), tmp_path / 'data'
+    folder = pathlib.Path(prep.text_file_dir(str(text), str(data)))
+    folder.mkdir(parents=True)
+    os.mkfifo(folder / 'meta.json')
+    one_line_error(cli(str(text), f'--data_dir={data}', script='data/prepare.py', timeout=60),
+                   f'{folder}/meta.json is a FIFO (named pipe), not a file of a prepared dataset: remove it')
+    assert stat.S_ISFIFO(os.lstat(folder / 'meta.json').st_mode)

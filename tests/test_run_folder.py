@@ -12,6 +12,7 @@ The runs that are the point of a test are processes (real SIGKILL, SIGINT, a ful
 when the tests run as root); the others run in-process.
 """
 import glob
+import json
 import os
 import pathlib
 import re
@@ -183,6 +184,8 @@ def test_the_file_size_limit_is_named(tmp_path, data_dir):
                             timeout=120, preexec_fn=limit)
     last = one_line_error(result, f'could not save {out}/ckpt.pt: the file size limit (ulimit -f) was reached (File too large)')
     assert 'unexpected pos' not in last and sorted(os.listdir(out)) == ['log.jsonl', 'train.lock', 'train_log.jsonl']
+
+
 def test_sigkill_then_resume_gives_the_uninterrupted_history(tmp_path, data_dir):
     """Killed 5 iterations past its checkpoint at 20, with train_log.jsonl already past it, the
     resumed run ends with the very logs of a run never killed: one line per iteration and per
@@ -404,7 +407,7 @@ def test_a_fifo_as_train_lock_is_refused_without_hanging(tmp_path, data_dir):
     out.mkdir()
     os.mkfifo(out / 'train.lock')
     result = cli(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=2', timeout=60)
-    one_line_error(result, f'{out}/train.lock is a FIFO (named pipe), not a regular file: a lock must be one')
+    one_line_error(result, f'{out}/train.lock is a FIFO (named pipe), not a file this run may write: remove it')
 
 
 def test_an_out_dir_that_is_a_dangling_link_or_a_loop_is_named(tmp_path, data_dir):
@@ -480,3 +483,44 @@ def test_ctrl_c_inside_a_save_stops_as_ctrl_c_does(tmp_path, data_dir, monkeypat
     assert last.endswith(f' --init_from=resume --out_dir={out}'), last
     assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 5
     assert sorted(os.listdir(out)) == ['ckpt.pt', 'log.jsonl', 'train.lock', 'train_log.jsonl']
+
+
+def test_hard_links_fifos_and_folders_where_a_run_writes_are_named_and_left_alone(checkpointed, tmp_path, data_dir):
+    """A hard link to another file as train.lock or as a log to resume (a write would change that
+    file too), a FIFO as ckpt.pt or as out_dir: each refused in one line naming what it is, before
+    any training, nothing hanging; the other file is unchanged."""
+    victim = tmp_path / 'thesis.txt'
+    victim.write_text('years of work')
+    fresh = tmp_path / 'fresh'
+    fresh.mkdir()
+    os.link(victim, fresh / 'train.lock')
+    assert f'{fresh}/train.lock has 1 other hard link(s): a write here would change the file' in fails(
+        *TINY, f'--data_dir={data_dir}', f'--out_dir={fresh}', '--max_iters=2')
+    out = copy_of(checkpointed, tmp_path, 'linked-log')
+    os.replace(out / 'log.jsonl', victim)
+    os.link(victim, out / 'log.jsonl')
+    before = digest(victim)
+    assert f'{out}/log.jsonl has 1 other hard link(s)' in fails(f'--out_dir={out}', '--init_from=resume',
+                                                                 '--max_iters=9')
+    assert digest(victim) == before
+    fifo = tmp_path / 'fifo'
+    fifo.mkdir()
+    os.mkfifo(fifo / 'ckpt.pt')
+    one_line_error(cli(*TINY, f'--out_dir={fifo}', timeout=60),
+                   f'{fifo}/ckpt.pt is a FIFO (named pipe), not a checkpoint, and a new run would replace it')
+    assert f'{fifo}/ckpt.pt is a FIFO (named pipe), not a ' in fails(f'--out_dir={fifo}', '--init_from=resume')
+    os.mkfifo(tmp_path / 'pipe')
+    assert f'out_dir {tmp_path / "pipe"} is a FIFO (named pipe), not a folder' in fails(
+        *TINY, f'--data_dir={data_dir}', f'--out_dir={tmp_path / "pipe"}')
+
+
+def test_a_resume_says_what_it_cuts_from_the_logs(checkpointed, tmp_path, capsys):
+    """The lines of the logs after the checkpoint's iteration (the part a kill cut short, or a run
+    past an older checkpoint put back) are dropped with a note saying how many, not in silence."""
+    out = copy_of(checkpointed, tmp_path)
+    saved = torch.load(out / 'ckpt.pt', weights_only=True)['iter_num']
+    with open(out / 'log.jsonl', 'a') as f:
+        f.write(json.dumps(dict(iter=saved + 5, val_loss=1.0)) + '\n')
+    capsys.readouterr()
+    tc.main([f'--out_dir={out}', '--init_from=resume', f'--max_iters={saved + 1}'])
+    assert f"note: {out}/log.jsonl: 1 line(s) after the checkpoint's iter {saved} dropped" in capsys.readouterr().err

@@ -563,6 +563,8 @@ def test_sizes_that_cannot_fit_are_one_line(checkpointed, tmp_path, data_dir):
                             preexec_fn=limit_memory(3 * 10**9))
     one_line_error(result, 'out of memory (')
     assert 'lower batch_size (raise gradient_accumulation_steps)' in result.stderr
+
+
 def test_memory_too_short_to_import_torch_is_one_line(tmp_path):
     """Under a memory limit (ulimit -v) too low to load torch, train_char.py and eval_char.py end in
     one line that says so and names the limit, before any handler of theirs is in place."""
@@ -622,6 +624,8 @@ def test_sighup_stops_a_run_as_ctrl_c_does(tmp_path, data_dir):
     assert last.startswith(f'interrupted at iter {saved}: a resume starts from {out}/ckpt.pt at iter {saved}: '
                            'python train_char.py '), last
     assert last.endswith(f' --init_from=resume --out_dir={out}') and saved >= 5, last
+
+
 def test_an_output_encoding_without_a_characters_never_fails_a_finished_run(tmp_path, data_dir, monkeypatch):
     """PYTHONIOENCODING=ascii: the sample after training, and eval_char.py's, print '?' for the
     characters ascii lacks; the run ends with status 0. The training run is a process; eval_char's
@@ -639,6 +643,8 @@ def test_an_output_encoding_without_a_characters_never_fails_a_finished_run(tmp_
     ec.main(['--mode=sample', f'--out_dir={out}', '--start=é'])
     ascii_stdout.flush()
     assert ascii_stdout.buffer.getvalue().startswith(b'?')
+
+
 def test_input_that_is_not_what_it_claims_is_named_in_one_line(tmp_path, data_dir):
     """A config file that exits, nan as a number, a FIFO or a directory as a dataset, a file that
     cannot be read: one 'error: ' line each, that says what the input is and why it cannot be used."""
@@ -653,6 +659,8 @@ def test_input_that_is_not_what_it_claims_is_named_in_one_line(tmp_path, data_di
     assert 'is a FIFO (named pipe), not a regular file' in fails(*TINY, f'--dataset={tmp_path / "fifo"}', never)
     assert 'is a directory, not a regular file' in fails(*TINY, f'--dataset={tmp_path}', never)
     assert not os.path.exists(tmp_path / 'never')
+
+
 def test_a_signal_in_the_loop_waits_for_a_step_boundary_and_ctrl_c_again_stops_at_once(monkeypatch):
     """In the training loop (shell.note_signals) a signal is noted for the next step boundary;
     another signal, or Ctrl-C again sooner than AGAIN_S, is ignored; Ctrl-C again AGAIN_S or more
