@@ -17,6 +17,7 @@ import math
 import os
 import re
 import sys
+import types
 
 from shell import die, not_a_file, pipe_closed
 
@@ -123,7 +124,8 @@ def describe(paths, names):
 
 
 def read_config_file(path):
-    """The assignments of a config file, except names starting with an underscore."""
+    """The assignments of a config file, except names starting with an underscore and the modules
+    it imports (import math, to compute a value, sets no setting)."""
     namespace = {}
     try:
         with open(path) as f:
@@ -133,7 +135,8 @@ def read_config_file(path):
     except SystemExit as e:
         # exit() in a config file would end the script in silence, having run nothing
         die(f"{path}: exits (SystemExit: {e.code!r}) instead of setting values")
-    return {k: v for k, v in namespace.items() if not k.startswith('_')}
+    return {k: v for k, v in namespace.items()
+            if not k.startswith('_') and not isinstance(v, types.ModuleType)}
 
 
 def typed(key, value, want, from_text):

@@ -785,3 +785,12 @@ def test_a_split_truncated_or_rewritten_under_a_running_run_changes_nothing(tmp_
         f.write(b'\xff' * 18_000)
     printed = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0 and 'done: iter 120' in printed, printed[-2000:]
+
+
+def test_a_config_file_may_import_a_module_to_compute_a_value(tmp_path):
+    """A module a config file imports (import math, to compute a setting) is no setting of its
+    own; its assignments are read as ever."""
+    config = tmp_path / 'computed.py'
+    config.write_text('import math\nlearning_rate = math.sqrt(1e-6)\n')
+    cfg, given = tc.parse_config([str(config)])
+    assert cfg['learning_rate'] == 1e-3 and 'math' not in cfg and 'learning_rate' in given
