@@ -109,7 +109,8 @@ def load_data(cfg, given, ckpt, use):
             f'{s}.bin' for s in sorted(c.meta['sha256'].keys() | (r or {}).get('sha256', {}).keys())
             if r is None or c.meta['sha256'].get(s) != r['sha256'].get(s)]
         message = (f"{c.name}, prepared in {c.dir}, is not the data {path} was trained on "
-                   f"({record['dataset']}" + (f", {record['path']}" if record['path'] else '')
+                   f"({record['dataset']}"
+                   + (f", {record['path']}" if record['path'] not in ('', record['dataset']) else '')
                    + f"): its {', '.join(differ)} differ (another file of that name, a file "
                    "changed since, or a folder prepared again)")
         if not cfg['other_data']:

@@ -476,7 +476,8 @@ def train(cfg, given, run, attentions):
         bar.close()
     raise_noted(noted)
     if master:
-        print(f"done: iter {iter_num}, {time.monotonic() - t_run:.0f} s of training; best val loss "
+        print(f"done: iter {iter_num}, {time.monotonic() - t_run:.0f} s of training"
+              f"{' in all (the runs before this resume too)' * (ckpt is not None)}; best val loss "
               f"{best_val_loss:.4f} ({best_val_loss / LN2:.4f} bpc)")
         sample(raw_model, prompt, vocab, cfg, device, ctx)
     if ddp:

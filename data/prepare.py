@@ -124,11 +124,8 @@ def write_splits(folder, digest, make, again=False, readers=0o044):
     the second finds the first's work done, unless it prepares again a damaged folder. The
     partial files of a preparation whose process is gone (a kill) are removed meanwhile. readers:
     the group and other read bits of the source's mode; the folder and its files get no more."""
-    allowed = 0o700 | readers | readers >> 2   # read, and search for a folder, for the same
-    os.makedirs(folder, mode=allowed, exist_ok=True)
-    mode = stat.S_IMODE(os.stat(folder).st_mode)
-    if mode & ~allowed:   # made by an earlier preparation of a source readable by more
-        os.chmod(folder, mode & allowed)
+    os.makedirs(folder, mode=0o700 | readers | readers >> 2, exist_ok=True)
+    narrow(folder, readers)
     lock = os.open(folder, os.O_RDONLY)
     try:
         try:
@@ -144,6 +141,17 @@ def write_splits(folder, digest, make, again=False, readers=0o044):
         return meta if meta is not None else write_locked(folder, digest, *make(), readers)
     finally:
         os.close(lock)
+
+
+def narrow(folder, readers):
+    """A prepared folder made no more readable than its source (readers: the group and other read
+    bits of the source's mode): a source made private since its preparation makes the folder so,
+    at its next use. Its files need no change: without search permission on the folder, nobody
+    else reaches them."""
+    allowed = 0o700 | readers | readers >> 2   # read, and search for a folder, for the same
+    mode = stat.S_IMODE(os.stat(folder).st_mode)
+    if mode & ~allowed:
+        os.chmod(folder, mode & allowed)
 
 
 def write_locked(folder, digest, ids, vocab, percents, source, readers):
@@ -283,6 +291,8 @@ def prepare_text(path, folder, percents, again=False, only_read=False):
         die(f"{path} is empty")
     digest = 'sha256:' + hashlib.sha256(raw).hexdigest()
     meta = None if again else read_meta(folder, digest)
+    if meta is not None and not only_read:
+        narrow(folder, readers)
     if meta is not None or only_read:
         return meta
     data = np.frombuffer(raw, dtype=np.uint8)

@@ -447,3 +447,16 @@ def test_a_fifo_as_meta_json_is_named_without_hanging(tmp_path):
     one_line_error(cli(str(text), f'--data_dir={data}', script='data/prepare.py', timeout=60),
                    f'{folder}/meta.json is a FIFO (named pipe), not a file of a prepared dataset: remove it')
     assert stat.S_ISFIFO(os.lstat(folder / 'meta.json').st_mode)
+
+
+def test_a_source_made_private_after_its_preparation_makes_its_folder_private(tmp_path):
+    """A text file prepared while others could read it, then made private (chmod 600): its next
+    use leaves the prepared folder open to its owner alone, as a fresh preparation of it would."""
+    text, data = text_file(tmp_path / 'notes.txt', seed=1, size=2000), tmp_path / 'data'
+    text.chmod(0o644)
+    prep.main([str(text), f'--data_dir={data}'])
+    folder = pathlib.Path(prep.text_file_dir(str(text), str(data)))
+    assert stat.S_IMODE(folder.stat().st_mode) & 0o055 == 0o055
+    text.chmod(0o600)
+    prep.main([str(text), f'--data_dir={data}'])
+    assert stat.S_IMODE(folder.stat().st_mode) & 0o077 == 0
