@@ -151,6 +151,8 @@ def restore(ckpt, optimizer, scaler, batches, rank, device):
         if ckpt['scaler']:   # {} when the saved run had no loss scaling (anything but float16)
             scaler.load_state_dict(ckpt['scaler'])
         batches.set_state(ckpt['rng']['batches'])
+        if not ckpt['rng']['torch']:   # a run saves one state a process, at least rank 0's
+            raise ValueError("no process's torch RNG state")
         # more processes than saved: the new ones keep their seed
         if rank < len(ckpt['rng']['torch']):
             cpu_state, cuda_state = ckpt['rng']['torch'][rank]

@@ -62,6 +62,7 @@ class RunFolder:
         the logs or snapshots of a run whose checkpoint is gone; nor does it delete anything: where
         to start afresh is the user's choice. A ckpt.pt that no resume could read is named as what
         it is."""
+        self.refuse_if_in_use()
         empty = os.path.isfile(self.ckpt_path) and not os.path.getsize(self.ckpt_path)
         kind = 'an empty file' if empty else not_a_file(self.ckpt_path)
         if kind:
@@ -81,6 +82,30 @@ class RunFolder:
                 f"of an earlier run but no ckpt.pt"
                 f"{' (a link to a missing file)' * os.path.islink(self.ckpt_path)}: it cannot be "
                 f"resumed; {self.afresh()}")
+
+    def refuse_if_in_use(self):
+        """A run that holds the folder now is named, rather than its files taken for an earlier
+        run's: a look at train.lock's flock, taken and let go at once (nothing written)."""
+        if self.lock_file is not None:   # this run's own
+            return
+        try:
+            fd = os.open(self.path('train.lock'), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:   # none, or odd: lock() says what is wrong with it
+            return
+        with os.fdopen(fd, errors='surrogateescape') as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.busy(f)
+            except OSError:   # not a regular file: lock() names it
+                pass
+
+    def busy(self, lock_file):
+        """The line for a second run: the folder's holder, as train.lock names it."""
+        holder = lock_file.read().strip() or 'a run that is just starting'
+        lock_file.close()
+        die(f"{self.dir} is in use by another training run ({holder}); wait for it to end, "
+            "or choose another --out_dir")
 
     def afresh(self):
         """Where a new run can start instead, this folder kept as it is."""
@@ -124,10 +149,7 @@ class RunFolder:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = f.read().strip() or 'a run that is just starting'
-            f.close()
-            die(f"{self.dir} is in use by another training run ({holder}); wait for it to end, "
-                "or choose another --out_dir")
+            self.busy(f)
         f.truncate(0)
         f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}, "
                 f"command: {shlex.join([os.path.basename(sys.executable), *sys.argv])}\n")
@@ -234,6 +256,9 @@ def atomic_write(path):
     `path` is refused (refuse_link) rather than replaced: it is the user's, and a rename would
     drop it. Every save goes through here."""
     refuse_link(path)
+    folder = os.path.dirname(path) or '.'
+    if not os.path.isdir(folder):   # else the error would name the partial file
+        raise FileNotFoundError(errno.ENOENT, f'no folder {folder} to write {path} in')
     tmp = f'{path}.damcha-partial-{os.getpid()}-{secrets.token_hex(4)}.tmp'
     f = os.fdopen(open_own(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL), 'w+b')
     try:

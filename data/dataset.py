@@ -47,11 +47,13 @@ def load_dataset(name, data_dir='', vocab=None, also_in=None, expected=None):
     if vocab is None:
         vocab = sorted(set().union(*(m['vocab'] for m in metas)))
     components = []
-    for n, meta, splits in zip(names, metas, mapped):
+    for n, meta, splits, e in zip(names, metas, mapped, expected):
         outside = sorted(set(meta['vocab']) - set(vocab))
         if outside:
             die(f"dataset {n} has {len(outside)} characters outside the model's vocabulary, "
-                f"e.g. {bytes(outside[:10])!r}")
+                f"e.g. {bytes(outside[:10])!r}"
+                + (": not the data the checkpoint was trained on (another file of that name, or "
+                   "one changed since)" if e is not None and not same_data(meta, e) else ''))
         lut = None if meta['vocab'] == vocab else np.array([vocab.index(b) for b in meta['vocab']])
         components.append(Corpus(n, meta['dir'], splits, lut, meta))
     return components, vocab

@@ -179,14 +179,14 @@ def test_checkpoints_damaged_inside_are_refused_before_they_are_used(tmp_path, d
 def test_a_damaged_random_state_is_one_line_at_resume(tmp_path, data_dir):
     """The batch generator's and torch's saved states are only read when the optimizer is restored,
     after the checks above: whatever is wrong with them (not a dict, a tensor cut short, a per-process
-    entry of the wrong shape) is the same one line, and the checkpoint is left as it was."""
+    entry of the wrong shape, no entry at all) is the same one line, and the checkpoint is left as it was."""
     good = tmp_path / 'good'
     tc.main([*TINY, f'--data_dir={data_dir}', f'--out_dir={good}', '--eval_interval=4', '--max_iters=4'])
     ckpt = torch.load(good / 'ckpt.pt', weights_only=True)
     rng = ckpt['rng']
     damaged = dict(not_a_dict=5, short=dict(rng, batches=rng['batches'][:10]),
                    float_state=dict(rng, batches=rng['batches'].float()), triple=dict(rng, torch=[(1, 2, 3)]),
-                   no_list=dict(rng, torch=None))
+                   no_list=dict(rng, torch=None), empty=dict(rng, torch=[]))
     for name, bad in damaged.items():
         (tmp_path / name).mkdir()
         torch.save(dict(ckpt, rng=bad), tmp_path / name / 'ckpt.pt')

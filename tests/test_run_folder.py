@@ -316,8 +316,8 @@ def test_a_second_run_is_refused_and_the_lock_dies_with_the_first(tmp_path, data
         last = fails(f'--out_dir={out}', '--init_from=resume', '--max_iters=100001')
         assert f'{out} is in use by another training run (pid {first.pid}, started ' in last, last
         assert 'command: python train_char.py' in last and f'--out_dir={out}' in last
-        fresh = fails(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}')   # refused before it reaches the lock
-        assert f'{out}/ckpt.pt exists: continue it with --init_from=resume' in fresh, fresh
+        fresh = fails(*TINY, f'--data_dir={data_dir}', f'--out_dir={out}')   # named before its files
+        assert f'{out} is in use by another training run (pid {first.pid}, started ' in fresh, fresh
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
