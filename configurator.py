@@ -40,12 +40,13 @@ def configure(defaults, argv, choices=None, positive=(), non_negative=(), doc=No
             elif not eq and key in defaults:   # an unknown --key is said below, with a suggestion
                 die(f"{arg}: options are written --key=value")
             updates, from_text = {key: text}, True
+        elif arg.startswith('-'):   # -x, a single dash: an option mistyped, never a file to run
+            die(f"{arg}: no such option (options are written --key=value; --help lists them)"
+                + (f"; a file of that name is written ./{arg}" if os.path.exists(arg) else ''))
         elif not_a_file(arg):
             die(f"{arg} is {not_a_file(arg)}, not a config file")
         elif os.path.isfile(arg):
             updates, from_text = read_config_file(arg), False
-        elif arg.startswith('-'):   # -x, a single dash: an option mistyped, not a file
-            die(f"{arg}: no such option (options are written --key=value; --help lists them)")
         else:
             die(f"{arg}: no such config file (options are written --key=value)")
         for key, value in updates.items():

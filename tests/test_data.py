@@ -132,9 +132,16 @@ def test_prepare_script_says_why_a_data_dir_cannot_be_made_in_one_line(tmp_path)
 
 
 def test_prepare_script_calls_a_single_dash_a_mistyped_option(tmp_path):
-    """data/prepare.py -x: an option mistyped (options are --key=value), not a missing config file."""
+    """data/prepare.py -x: an option mistyped (options are --key=value), not a missing config file;
+    a file named -notes.txt is never run as a config file, and the line says how to name it."""
     one_line_error(cli('-x', 'shakespeare', f'--data_dir={tmp_path}', script='data/prepare.py'),
                    '-x: no such option (options are written --key=value')
+    (tmp_path / '-notes.txt').write_text("open('EXECUTED', 'w')\n")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, 'data', 'prepare.py'), '-notes.txt'], cwd=tmp_path,
+                            env=ENV, capture_output=True, text=True, timeout=120)
+    one_line_error(result, '-notes.txt: no such option (options are written --key=value; --help lists them); '
+                           'a file of that name is written ./-notes.txt')
+    assert not (tmp_path / 'EXECUTED').exists()
 
 
 def test_prepare_script_names_a_file_too_big_for_memory(tmp_path):
