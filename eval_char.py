@@ -32,7 +32,7 @@ import math
 import os
 import sys
 
-from shell import die, memory_for, one_line_errors, signals_as_ctrl_c
+from shell import die, one_line_errors, signals_as_ctrl_c
 
 import numpy as np
 import torch
@@ -106,8 +106,7 @@ def evaluate(cfg, given, attentions):
     if cfg['compile']:
         devices.check_compiler(device)
         model = torch.compile(model)
-    with memory_for(f"preparing or loading the dataset {cfg['dataset']}", "give a smaller one"):
-        corpora, _ = checkpoint.load_data(cfg, given, ckpt, 'scored')
+    corpora, _ = checkpoint.load_data(cfg, given, ckpt, 'scored')
     dataset.check_lengths(corpora, ('val', 'test'), cfg['block_size'])
     result = dict(dataset=cfg['dataset'], iter=ckpt['iter_num'], block_size=cfg['block_size'],
                   stride=cfg['stride'] or cfg['block_size'])

@@ -36,7 +36,7 @@ import sys
 import textwrap
 import time
 
-from shell import (die, memory_for, note_signals, one_line_errors, raise_as_ctrl_c, raise_noted,
+from shell import (die, note_signals, one_line_errors, raise_as_ctrl_c, raise_noted,
                    signals_as_ctrl_c)
 
 import numpy as np
@@ -309,9 +309,8 @@ def train(cfg, given, run, attentions):
             dist.barrier()
         except RuntimeError:   # rank 0 stopped: its own error says why
             die("rank 0 stopped before the data were ready; its error is above")
-    with memory_for(f"preparing or loading the dataset {cfg['dataset']}", "give a smaller one"):
-        corpora, vocab = (checkpoint.load_data(cfg, given, ckpt, 'trained on') if ckpt is not None
-                          else dataset.load_dataset(cfg['dataset'], cfg['data_dir']))
+    corpora, vocab = (checkpoint.load_data(cfg, given, ckpt, 'trained on') if ckpt is not None
+                      else dataset.load_dataset(cfg['dataset'], cfg['data_dir']))
     if ddp and master:
         dist.barrier()
     if ckpt is None:

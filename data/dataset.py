@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 from data.prepare import HERE, SOURCES, corpus_names, prepare, refuse_no_file
-from shell import die
+from shell import die, memory_for
 
 
 @dataclasses.dataclass
@@ -42,8 +42,10 @@ def load_dataset(name, data_dir='', vocab=None, also_in=None, expected=None):
     what also_in holds must be."""
     names = corpus_names(name, data_dir)
     expected = expected if expected and len(expected) == len(names) else [None] * len(names)
-    metas, mapped = zip(*(found(n, also_in, e, data_dir) or verified(n, data_dir)
-                          for n, e in zip(names, expected)))
+    # memory that runs out here is the data's, whatever the model's settings
+    with memory_for(f"preparing or loading the dataset {name}", "give a smaller one"):
+        metas, mapped = zip(*(found(n, also_in, e, data_dir) or verified(n, data_dir)
+                              for n, e in zip(names, expected)))
     if vocab is None:
         vocab = sorted(set().union(*(m['vocab'] for m in metas)))
     components = []

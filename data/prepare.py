@@ -291,9 +291,10 @@ def prepare_text(path, folder, percents, again=False, only_read=False):
         die(f"{path} is empty")
     digest = 'sha256:' + hashlib.sha256(raw).hexdigest()
     meta = None if again else read_meta(folder, digest)
-    if meta is not None and not only_read:
+    if only_read:
+        return meta
+    if meta is not None:
         narrow(folder, readers)
-    if meta is not None or only_read:
         return meta
     data = np.frombuffer(raw, dtype=np.uint8)
     vocab = np.unique(data)
